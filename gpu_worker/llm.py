@@ -1,0 +1,144 @@
+"""Offline API in the style of vLLM: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from gpu_worker.config import EngineConfig
+from gpu_worker.engine import EngineStats, LLMEngine
+from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.sequence import Sequence
+
+Prompt = Union[str, list[int]]
+Message = dict[str, str]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None  # per token: the chosen id and the top-k alternatives
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The result for one prompt: its tokens and one CompletionOutput per sample."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+
+class LLM:
+    """An engine in this process. `LLM()` serves the default model, SmolLM2-135M-Instruct."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        **engine_options: Any,
+    ) -> None:
+        """engine_options are EngineConfig fields: block_size, num_kv_blocks, kv_cache_memory_bytes, ..."""
+        self.engine = LLMEngine(model, EngineConfig(**engine_options), dtype=dtype, device=device)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (a string, or a list of token ids) as it is; no chat template is applied."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompt_list):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        tokenizer = self.engine.tokenizer
+        requests: list[tuple[str, str | None, list[int]]] = []
+        try:
+            for prompt, p in zip(prompt_list, params):
+                ids = tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+                request_id = str(next(self._request_ids))
+                self.engine.add_request(request_id, ids, p)
+                requests.append((request_id, prompt if isinstance(prompt, str) else None, ids))
+        except Exception:
+            for request_id, _, _ in requests:
+                self.engine.abort_request(request_id)
+            raise
+        self._run(len(requests), use_tqdm)
+        return [self._output(*r) for r in requests]
+
+    def chat(
+        self,
+        messages: str | list[Message] | list[list[Message]] | list[str],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation (a string is one user message), then generate."""
+        if isinstance(messages, str) or (messages and isinstance(messages[0], dict)):
+            messages = [messages]  # type: ignore[list-item]
+        conversations = [[{"role": "user", "content": m}] if isinstance(m, str) else m for m in messages]
+        tokenizer = self.engine.tokenizer
+        prompts: list[Prompt] = [
+            list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ])
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, num_requests: int, use_tqdm: bool) -> None:
+        # The bar appears only when a call takes more than a moment.
+        bar = tqdm(total=num_requests, desc="generate", unit="req", delay=1.0, disable=not use_tqdm)
+        done = 0
+        with bar:
+            while self.engine.has_unfinished_requests():
+                for seq in self.engine.step():
+                    if seq.is_finished and seq.index == 0:
+                        done += 1
+                        bar.update(1)
+
+    def _output(self, request_id: str, prompt: str | None, prompt_ids: list[int]) -> RequestOutput:
+        seqs = sorted(self.engine.release(request_id), key=lambda s: s.index)
+        return RequestOutput(request_id, prompt, prompt_ids, [self._completion(s) for s in seqs])
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        ids = seq.output_token_ids
+        text = self.engine.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+        logprobs = None
+        cumulative = None
+        if seq.params.logprobs is not None:
+            logprobs = [{tok: lp, **top} for tok, lp, top in zip(ids, seq.logprobs, seq.top_logprobs)]
+            cumulative = sum(seq.logprobs)
+        return CompletionOutput(seq.index, text, ids, seq.finish_reason, logprobs, cumulative)

@@ -1,0 +1,118 @@
+"""Turning one step's logits into tokens: penalties, temperature, truncation, seeded sampling, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.sequence import Sequence
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Per row: the chosen token, its log-probability, and the top-k alternatives when asked."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Samples one token per row of logits; row i belongs to seqs[i]."""
+
+    def __init__(self, eos_token_ids: set[int]) -> None:
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        # logits: [num_rows, vocab_size]
+        logits = logits.float()
+        num_rows = len(seqs)
+        logprobs = self._logprobs(logits, seqs)
+        if any(s.params.has_penalties or s.num_output_tokens < s.params.min_tokens for s in seqs):
+            logits = logits.clone()
+            for i, seq in enumerate(seqs):
+                self._apply_penalties(logits[i], seq)
+        greedy = torch.tensor([s.params.greedy for s in seqs])
+        token_ids = logits.argmax(dim=-1)
+        random_rows = (~greedy).nonzero().flatten().tolist()
+        if random_rows:
+            sampled = self._sample_random(logits[random_rows], [seqs[i] for i in random_rows])
+            token_ids[random_rows] = sampled
+        token_list = token_ids.tolist()
+        chosen: list[float | None] = [None] * num_rows
+        top: list[dict[int, float] | None] = [None] * num_rows
+        if logprobs is not None:
+            for i, seq in enumerate(seqs):
+                k = seq.params.logprobs
+                if k is None:
+                    continue
+                chosen[i] = logprobs[i, token_list[i]].item()
+                if k > 0:
+                    values, ids = logprobs[i].topk(k)
+                    top[i] = dict(zip(ids.tolist(), values.tolist()))
+        return SamplerOutput(token_list, chosen, top)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+        # The model's own distribution, before penalties and temperature (what vLLM reports by default).
+        if all(s.params.logprobs is None for s in seqs):
+            return None
+        return torch.log_softmax(logits, dim=-1)
+
+    def _apply_penalties(self, row: torch.Tensor, seq: Sequence) -> None:
+        params = seq.params
+        if seq.num_output_tokens < params.min_tokens:
+            stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+            row[stops] = float("-inf")
+        if not params.has_penalties:
+            return
+        device = row.device
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(seq.token_ids, device=device).unique()
+            values = row[seen]
+            row[seen] = torch.where(
+                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+            )
+        if seq.num_output_tokens and (params.presence_penalty or params.frequency_penalty):
+            counts = torch.bincount(torch.tensor(seq.output_token_ids, device=device), minlength=row.numel())
+            row -= params.frequency_penalty * counts.to(row.dtype)
+            row -= params.presence_penalty * (counts > 0).to(row.dtype)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        # logits: [num_rows, vocab_size] -> [num_rows] token ids
+        device = logits.device
+        temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
+        logits = logits / temperature.unsqueeze(1)
+        top_k = [s.params.top_k for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _truncate_top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
+        if bool((min_p > 0).any()):
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        # Exponential race (argmax p / E with E ~ Exp(1)) samples from p; each row draws its noise from its own
+        # generator, so a seeded request gets the same tokens whatever else shares the batch.
+        noise = torch.empty_like(probs)
+        for i, seq in enumerate(seqs):
+            noise[i].exponential_(generator=seq.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _truncate_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    # logits: [num_rows, vocab_size]; masks everything outside each row's top-k and top-p nucleus.
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab_size for kk in top_k], device=logits.device).unsqueeze(1)
+    remove = ranks >= k
+    p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    # Keep a token while the mass before it is below p; the top token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= p
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

@@ -1,0 +1,65 @@
+"""Per-request sampling parameters, named as in vLLM and the OpenAI API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request is sampled and when it stops. temperature 0 means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.temperature < _EPS:
+            # Greedy: the truncation knobs mean nothing, and dropping them keeps the fast path simple.
+            self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        )

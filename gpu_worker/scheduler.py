@@ -1,0 +1,157 @@
+"""Step scheduler: decides which sequences run this step and how many of their tokens."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from gpu_worker.block_allocator import BlockAllocator
+from gpu_worker.config import EngineConfig
+from gpu_worker.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work: sequences with the number of new tokens each computes, and CoW copies to do first."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    copy_pairs: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Continuous batching under a token budget: running sequences first, then waiting ones in priority order.
+
+    One rule covers prefill, chunked prefill, prefix-cache hits and recompute after preemption: each step a
+    sequence computes up to `num_tokens - num_computed_tokens` tokens, as the budget allows.
+    """
+
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        # Both lists stay sorted by Sequence.sort_key, so the tail of `running` is the preemption victim.
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve_or_preempt(seq, num_new):
+                break  # seq itself was the lowest-priority one and is now waiting
+            out.copy_pairs += self.allocator.append_slots(
+                seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            )
+            out.seqs.append(seq)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _reserve_or_preempt(self, seq: Sequence, num_new: int) -> bool:
+        """Preempt from the tail of `running` until `seq` can grow by num_new tokens; False if seq went."""
+        while True:
+            need = self.allocator.num_blocks_to_append(
+                seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            )
+            if self.allocator.can_allocate(need):
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self._take_cached_prefix(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self.allocator.num_blocks_to_append(
+                seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            )
+            if not self.allocator.can_allocate(need):
+                # Give the hit blocks back; the next attempt looks them up again.
+                self.allocator.free(seq.block_table)
+                seq.reset_computed()
+                break
+            out.copy_pairs += self.allocator.append_slots(
+                seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            )
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=Sequence.sort_key)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        # NOTE: at least the last token is always computed, since its logits are needed for sampling.
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        block_ids, hashes = self.allocator.find_cached_prefix(seq.token_ids, max_blocks)
+        if not block_ids:
+            return
+        self.allocator.take(block_ids)
+        seq.block_table = block_ids
+        seq.num_cached_blocks = len(block_ids)
+        seq.last_block_hash = hashes[-1]
+        seq.num_computed_tokens = len(block_ids) * self.block_size
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.reset_computed()
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        self.num_preemptions += 1
+
+    def update_computed(self, out: SchedulerOutput) -> None:
+        """After the forward pass: advance num_computed_tokens and publish newly full blocks to the cache."""
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            num_full = seq.num_computed_tokens // self.block_size
+            if num_full > seq.num_cached_blocks:
+                seq.last_block_hash = self.allocator.cache_full_blocks(
+                    seq.block_table, seq.token_ids, seq.num_cached_blocks, num_full, seq.last_block_hash
+                )
+                seq.num_cached_blocks = num_full
+
+    def fork(self, parent: Sequence, seq_id: int, index: int) -> Sequence:
+        """A new running sample sharing every block of `parent` (written later through copy-on-write)."""
+        child = parent.fork(seq_id, index, self.allocator.fork(parent.block_table))
+        bisect.insort(self.running, child, key=Sequence.sort_key)
+        return child
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Stop a sequence and return its blocks (full ones stay in the prefix cache)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,102 @@
+"""One sequence: its tokens, its block table and how far its KV cache has caught up."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from gpu_worker.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """A prompt and the tokens sampled after it; one per sample of a request (n > 1 gives n of them)."""
+
+    __slots__ = (
+        "seq_id", "request_id", "index", "params", "priority", "arrival", "token_ids", "num_prompt_tokens",
+        "num_computed_tokens", "block_table", "num_cached_blocks", "last_block_hash", "status",
+        "finish_reason", "generator", "num_pending_forks", "logprobs", "top_logprobs",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        index: int = 0,
+        priority: int = 0,
+        arrival: int = 0,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.priority = priority
+        self.arrival = arrival
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # Tokens whose K/V are in the cache; catches up to num_tokens (prefill, chunks, hits, recompute).
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        # Leading full blocks registered in the prefix cache, and the hash of the last of them.
+        self.num_cached_blocks = 0
+        self.last_block_hash: int | None = None
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.generator: torch.Generator | None = None
+        # Samples still to be forked from this one once its prompt is computed (n > 1).
+        self.num_pending_forks = params.n - 1
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: priority (lower first), then arrival, then sample index."""
+        return (self.priority, self.arrival, self.index)
+
+    def reset_computed(self) -> None:
+        """Forget the KV cache (preemption by recompute); the tokens stay."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.num_cached_blocks = 0
+        self.last_block_hash = None
+
+    def fork(self, seq_id: int, index: int, block_table: list[int]) -> Sequence:
+        """A sibling sample sharing this sequence's tokens and (already shared) blocks."""
+        child = Sequence(
+            seq_id, self.request_id, self.token_ids[: self.num_prompt_tokens], self.params,
+            index=index, priority=self.priority, arrival=self.arrival,
+        )
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_table = block_table
+        child.num_cached_blocks = self.num_cached_blocks
+        child.last_block_hash = self.last_block_hash
+        child.status = self.status
+        child.num_pending_forks = 0
+        return child

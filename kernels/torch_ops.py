@@ -1,0 +1,132 @@
+"""Pure-torch reference implementations of the paged KV-cache ops (CPU, or any device torch supports)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def write_kv_cache(
+    key: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Write each token's K/V into its cache slot, skipping tokens whose slot is -1."""
+    if slot_mapping.numel() == 0:
+        return
+    # view (not reshape) so a non-contiguous cache fails loudly instead of writing into a copy.
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    slots = slot_mapping.long()
+    if int(slots.min()) >= 0:
+        k_flat.index_copy_(0, slots, key)
+        v_flat.index_copy_(0, slots, value)
+        return
+    keep = slots >= 0
+    slots = slots[keep]
+    k_flat.index_copy_(0, slots, key[keep])
+    v_flat.index_copy_(0, slots, value[keep])
+
+
+def _gather_context(
+    cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_ids: Tensor,  # [n, num_blocks_needed], may contain -1 padding
+) -> Tensor:
+    """Gather whole blocks via block_ids into [n, num_kv_heads, num_blocks_needed * block_size, head_size]."""
+    # -1 padding would wrap to the last block; any real block works since those keys are masked anyway.
+    blocks = cache[block_ids.clamp(min=0)]  # [n, nb, block_size, Hkv, D]
+    return blocks.flatten(1, 2).transpose(1, 2)
+
+
+def paged_attention(
+    out: Tensor,  # [num_tokens, num_heads, head_size]
+    query: Tensor,  # [num_tokens, num_heads, head_size]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: Tensor,  # [num_seqs, max_num_blocks_per_seq] int32, -1 padded
+    seq_lens: Tensor,  # [num_seqs] int32, cached context + this step's tokens
+    query_start_loc: Tensor,  # [num_seqs + 1] int32, cumulative query lengths
+    scale: float,
+) -> None:
+    """Causal attention of each sequence's new query tokens over its whole paged context, written into out."""
+    block_size = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    num_seqs = len(lens)
+    decodes = [s for s in range(num_seqs) if starts[s + 1] - starts[s] == 1]
+    prefills = [s for s in range(num_seqs) if starts[s + 1] - starts[s] > 1]
+
+    if decodes:
+        _decode_batch(out, query, k_cache, v_cache, block_table, seq_lens, starts, lens, decodes, scale)
+
+    for s in prefills:
+        q_start, q_end, ctx = starts[s], starts[s + 1], lens[s]
+        q_len = q_end - q_start
+        num_blocks = -(-ctx // block_size)
+        block_ids = block_table[s : s + 1, :num_blocks]
+        k = _gather_context(k_cache, block_ids)[:, :, :ctx]  # [1, Hkv, ctx, D]
+        v = _gather_context(v_cache, block_ids)[:, :, :ctx]
+        q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        prefix = ctx - q_len
+        if prefix == 0:
+            res = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # is_causal aligns the diagonal top-left; with a cached prefix it must sit at key `prefix`.
+            q_pos = torch.arange(prefix, ctx, device=query.device)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+            res = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[q_start:q_end] = res[0].transpose(0, 1)
+
+
+def _decode_batch(
+    out: Tensor,  # [num_tokens, num_heads, head_size]
+    query: Tensor,  # [num_tokens, num_heads, head_size]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: Tensor,  # [num_seqs, max_num_blocks_per_seq] int32, -1 padded
+    seq_lens: Tensor,  # [num_seqs] int32
+    starts: list[int],
+    lens: list[int],
+    decodes: list[int],
+    scale: float,
+) -> None:
+    """All single-token sequences in one SDPA call over contexts padded to the longest among them."""
+    device = query.device
+    all_decode = len(decodes) == len(lens)
+    max_len = max(lens[s] for s in decodes)
+    num_blocks = -(-max_len // k_cache.shape[1])
+    if all_decode:
+        rows, toks, ctx_lens = block_table[:, :num_blocks], slice(None), seq_lens
+    else:
+        seq_idx = torch.tensor(decodes, device=device)
+        rows, ctx_lens = block_table[seq_idx, :num_blocks], seq_lens[seq_idx]
+        toks = torch.tensor([starts[s] for s in decodes], device=device)
+    k = _gather_context(k_cache, rows)  # [n, Hkv, L, D]
+    v = _gather_context(v_cache, rows)
+    valid = torch.arange(k.shape[2], device=device)[None, :] < ctx_lens[:, None]  # [n, L]
+    if min(lens[s] for s in decodes) < k.shape[2]:
+        # Padded slots hold stale or never-written memory; a NaN there would leak through the masked softmax
+        # (0 * NaN), so zero them. The gathered k/v are private copies, so this never touches the cache.
+        pad = ~valid[:, None, :, None]
+        k.masked_fill_(pad, 0)
+        v.masked_fill_(pad, 0)
+    q = query[toks].unsqueeze(2)  # [n, Hq, 1, D]
+    res = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    out[toks] = res.squeeze(2)
+
+
+def copy_blocks(
+    kv_cache: Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
+    block_mapping: Tensor,  # [num_pairs, 2] int64 of (src, dst)
+) -> None:
+    """Copy block src to block dst for K and V in every layer (copy-on-write)."""
+    if block_mapping.numel() == 0:
+        return
+    mapping = block_mapping.to(device=kv_cache.device, dtype=torch.long)
+    # index_select gathers every source before any write, so chained pairs (a->b, b->c) read pre-copy data.
+    kv_cache.index_copy_(2, mapping[:, 1], kv_cache.index_select(2, mapping[:, 0]))

@@ -1,0 +1,1 @@
+"""What the services share: the wire protocol, the Redis key names, configuration. Never imports torch."""
