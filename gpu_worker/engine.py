@@ -160,6 +160,8 @@ class LLMEngine:
         return self._postprocess([out.seqs[i] for i in sample_rows], logits)
 
     def _postprocess(self, sampling: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        if not sampling:
+            return []  # a step of prefill chunks only
         seqs: list[Sequence] = []
         rows: list[int] = []
         for row, seq in enumerate(sampling):

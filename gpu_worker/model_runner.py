@@ -33,7 +33,9 @@ class ModelRunner:
             seq_lens.append(start + num_new)
         meta, positions = self._metadata(out, starts, seq_lens)
         query_start_loc = meta.query_start_loc.tolist()
-        logits_indices = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device)
+        logits_indices = torch.tensor(
+            [query_start_loc[i + 1] - 1 for i in sample_rows], dtype=torch.long, device=self.device
+        )
         result = self.model(
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=positions.unsqueeze(0),

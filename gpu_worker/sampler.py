@@ -33,7 +33,7 @@ class Sampler:
             logits = logits.clone()
             for i, seq in enumerate(seqs):
                 self._apply_penalties(logits[i], seq)
-        greedy = torch.tensor([s.params.greedy for s in seqs])
+        greedy = torch.tensor([s.params.greedy for s in seqs], dtype=torch.bool)
         token_ids = logits.argmax(dim=-1)
         random_rows = (~greedy).nonzero().flatten().tolist()
         if random_rows:

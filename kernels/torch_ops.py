@@ -33,12 +33,21 @@ def write_kv_cache(
 
 def _gather_context(
     cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    block_ids: Tensor,  # [n, num_blocks_needed], may contain -1 padding
+    block_rows: Tensor,  # [n, max_num_blocks_per_seq] int32, -1 padded
+    ctx_lens: Tensor,  # [n] int32
+    length: int,
 ) -> Tensor:
-    """Gather whole blocks via block_ids into [n, num_kv_heads, num_blocks_needed * block_size, head_size]."""
-    # -1 padding would wrap to the last block; any real block works since those keys are masked anyway.
-    blocks = cache[block_ids.clamp(min=0)]  # [n, nb, block_size, Hkv, D]
-    return blocks.flatten(1, 2).transpose(1, 2)
+    """Gather positions 0..length-1 of each row's context into [n, num_kv_heads, length, head_size]."""
+    block_size, num_kv_heads, head_size = cache.shape[1:]
+    # Positions past a sequence's end re-read its last token instead of the slot behind it: those slots may
+    # hold never-written memory, and a NaN there leaks through the masked softmax (0 * NaN). This also keeps
+    # -1 block-table padding from ever being dereferenced, and is cheaper than zeroing the padding afterwards.
+    pos = torch.arange(length, device=cache.device)
+    pos = pos[None, :].expand(len(ctx_lens), -1)  # [n, length]
+    slots = block_rows.long().gather(1, pos // block_size) * block_size + pos % block_size
+    flat = cache.view(-1, num_kv_heads, head_size)
+    gathered = flat.index_select(0, slots.view(-1)).view(len(slots), length, num_kv_heads, head_size)
+    return gathered.transpose(1, 2)
 
 
 def paged_attention(
@@ -52,7 +61,6 @@ def paged_attention(
     scale: float,
 ) -> None:
     """Causal attention of each sequence's new query tokens over its whole paged context, written into out."""
-    block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     num_seqs = len(lens)
@@ -64,13 +72,11 @@ def paged_attention(
 
     for s in prefills:
         q_start, q_end, ctx = starts[s], starts[s + 1], lens[s]
-        q_len = q_end - q_start
-        num_blocks = -(-ctx // block_size)
-        block_ids = block_table[s : s + 1, :num_blocks]
-        k = _gather_context(k_cache, block_ids)[:, :, :ctx]  # [1, Hkv, ctx, D]
-        v = _gather_context(v_cache, block_ids)[:, :, :ctx]
+        rows, ctx_lens = block_table[s : s + 1], seq_lens[s : s + 1]
+        k = _gather_context(k_cache, rows, ctx_lens, ctx)  # [1, Hkv, ctx, D]
+        v = _gather_context(v_cache, rows, ctx_lens, ctx)
         q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-        prefix = ctx - q_len
+        prefix = ctx - (q_end - q_start)
         if prefix == 0:
             res = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -95,24 +101,17 @@ def _decode_batch(
 ) -> None:
     """All single-token sequences in one SDPA call over contexts padded to the longest among them."""
     device = query.device
-    all_decode = len(decodes) == len(lens)
-    max_len = max(lens[s] for s in decodes)
-    num_blocks = -(-max_len // k_cache.shape[1])
-    if all_decode:
-        rows, toks, ctx_lens = block_table[:, :num_blocks], slice(None), seq_lens
+    toks: slice | Tensor
+    if len(decodes) == len(lens):
+        rows, ctx_lens, toks = block_table, seq_lens, slice(None)
     else:
         seq_idx = torch.tensor(decodes, device=device)
-        rows, ctx_lens = block_table[seq_idx, :num_blocks], seq_lens[seq_idx]
+        rows, ctx_lens = block_table[seq_idx], seq_lens[seq_idx]
         toks = torch.tensor([starts[s] for s in decodes], device=device)
-    k = _gather_context(k_cache, rows)  # [n, Hkv, L, D]
-    v = _gather_context(v_cache, rows)
-    valid = torch.arange(k.shape[2], device=device)[None, :] < ctx_lens[:, None]  # [n, L]
-    if min(lens[s] for s in decodes) < k.shape[2]:
-        # Padded slots hold stale or never-written memory; a NaN there would leak through the masked softmax
-        # (0 * NaN), so zero them. The gathered k/v are private copies, so this never touches the cache.
-        pad = ~valid[:, None, :, None]
-        k.masked_fill_(pad, 0)
-        v.masked_fill_(pad, 0)
+    length = max(lens[s] for s in decodes)
+    k = _gather_context(k_cache, rows, ctx_lens, length)  # [n, Hkv, L, D]
+    v = _gather_context(v_cache, rows, ctx_lens, length)
+    valid = torch.arange(length, device=device)[None, :] < ctx_lens[:, None]  # [n, L]
     q = query[toks].unsqueeze(2)  # [n, Hq, 1, D]
     res = F.scaled_dot_product_attention(
         q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True

@@ -84,7 +84,7 @@ def make_batch(
     k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_size), v_cache.view(-1, num_kv_heads, head_size)
 
     dense_k, dense_v, new_k, new_v, slots = [], [], [], [], []
-    for (prefix, q_len), ctx, row in zip(specs, ctxs, rows):
+    for (prefix, _), ctx, row in zip(specs, ctxs, rows, strict=True):
         k = torch.randn(ctx, num_kv_heads, head_size, generator=gen).to(dtype)
         v = torch.randn(ctx, num_kv_heads, head_size, generator=gen).to(dtype)
         dense_k.append(k)
@@ -106,7 +106,7 @@ def make_batch(
         v_cache=v_cache,
         block_table=torch.tensor(rows, dtype=torch.int32),
         seq_lens=torch.tensor(ctxs, dtype=torch.int32),
-        query_start_loc=torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         dense_k=dense_k,
         dense_v=dense_v,
@@ -115,27 +115,24 @@ def make_batch(
 
 def run_and_check(batch: Batch, scale: float, atol: float, rtol: float) -> None:
     """Write the new tokens, run paged_attention and compare every sequence against dense attention."""
-    assert write_kv_cache(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.slot_mapping) is None
+    write_kv_cache(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.slot_mapping)
     k_before, v_before = batch.k_cache.clone(), batch.v_cache.clone()
     out = torch.full_like(batch.query, float("nan"))
-    assert (
-        paged_attention(
-            out,
-            batch.query,
-            batch.k_cache,
-            batch.v_cache,
-            batch.block_table,
-            batch.seq_lens,
-            batch.query_start_loc,
-            scale,
-        )
-        is None
+    paged_attention(
+        out,
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        scale,
     )
     # paged_attention must only read the cache.
     torch.testing.assert_close(batch.k_cache, k_before, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(batch.v_cache, v_before, atol=0, rtol=0, equal_nan=True)
     starts = batch.query_start_loc.tolist()
-    for s, (k, v) in enumerate(zip(batch.dense_k, batch.dense_v)):
+    for s, (k, v) in enumerate(zip(batch.dense_k, batch.dense_v, strict=True)):
         q = batch.query[starts[s] : starts[s + 1]]
         expected = dense_attention(q, k, v, scale).to(out.dtype)
         torch.testing.assert_close(out[starts[s] : starts[s + 1]], expected, atol=atol, rtol=rtol)
@@ -248,7 +245,7 @@ def test_copy_blocks() -> None:
     orig = kv_cache.clone()
     mapping = torch.tensor([[1, 7], [4, 2], [1, 9]], dtype=torch.int64)
 
-    assert copy_blocks(kv_cache, mapping) is None
+    copy_blocks(kv_cache, mapping)
 
     for src, dst in mapping.tolist():
         assert torch.equal(kv_cache[:, :, dst], orig[:, :, src])
