@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from gpu_worker.attention import ATTENTION_NAME
 
@@ -81,6 +82,11 @@ def load_model(
     """The model in eval mode with pagedserve's attention, and its tokenizer."""
     path = resolve_model_path(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    # Loading a converted folder takes well under a second; its per-tensor progress bar is only noise.
+    hf_logging.disable_progress_bar()
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    finally:
+        hf_logging.enable_progress_bar()
     hf_model.to(device).eval()
     return hf_model, tokenizer

@@ -43,7 +43,7 @@ def _gather_context(
     # hold never-written memory, and a NaN there leaks through the masked softmax (0 * NaN). This also keeps
     # -1 block-table padding from ever being dereferenced, and is cheaper than zeroing the padding afterwards.
     pos = torch.arange(length, device=cache.device)
-    pos = pos[None, :].expand(len(ctx_lens), -1)  # [n, length]
+    pos = torch.minimum(pos[None, :], ctx_lens.long()[:, None] - 1)  # [n, length]
     slots = block_rows.long().gather(1, pos // block_size) * block_size + pos % block_size
     flat = cache.view(-1, num_kv_heads, head_size)
     gathered = flat.index_select(0, slots.view(-1)).view(len(slots), length, num_kv_heads, head_size)
