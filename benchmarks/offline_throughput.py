@@ -19,11 +19,11 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM
 
-from gpu_worker import LLM, SamplingParams  # noqa: E402
-from gpu_worker.model_loader import resolve_model_path  # noqa: E402
+from gpu_worker import LLM, SamplingParams
+from gpu_worker.model_loader import resolve_model_path
 
 
 def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -42,12 +42,16 @@ def run_static(model: Any, prompts: list[list[int]], output_len: int, batch_size
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, p in enumerate(batch):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
         with torch.inference_mode():
             model.generate(
-                ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
-                min_new_tokens=output_len, pad_token_id=pad_id,
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                pad_token_id=pad_id,
             )
     return time.perf_counter() - start
 
@@ -62,13 +66,19 @@ def run_paged(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model folder or GGUF file (default: SmolLM2-135M-Instruct)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="model folder or GGUF file (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-input", type=int, default=32)
     parser.add_argument("--max-input", type=int, default=256)
     parser.add_argument("--output", type=int, default=64)
-    parser.add_argument("--static-batch-sizes", default="16,64", help="comma-separated; the best one is reported")
+    parser.add_argument(
+        "--static-batch-sizes", default="16,64", help="comma-separated; the best one is reported"
+    )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="benchmarks/results/offline_throughput.json")
@@ -96,16 +106,27 @@ def main() -> None:
     results = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     best_static = min(v for k, v in results.items() if k != "pagedserve")
     rows = []
-    print(f"{args.num_prompts} prompts, input {args.min_input}-{args.max_input}, output {args.output}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"{args.num_prompts} prompts, input {args.min_input}-{args.max_input}, output {args.output}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     print(f"{'system':32} {'seconds':>8} {'output tok/s':>13} {'vs best static':>15}")
     for name, seconds in results.items():
-        rows.append({"system": name, "seconds": seconds, "output_tokens_per_s": output_tokens / seconds,
-                     "speedup_vs_best_static": best_static / seconds, "all_seconds": times[name]})
+        rows.append(
+            {
+                "system": name,
+                "seconds": seconds,
+                "output_tokens_per_s": output_tokens / seconds,
+                "speedup_vs_best_static": best_static / seconds,
+                "all_seconds": times[name],
+            }
+        )
         print(f"{name:32} {seconds:8.2f} {output_tokens / seconds:13.1f} {best_static / seconds:14.2f}x")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "machine": platform.platform(), "results": rows}, indent=2))
+    out.write_text(
+        json.dumps({"args": vars(args), "machine": platform.platform(), "results": rows}, indent=2)
+    )
     print(f"wrote {out}")
 
 

@@ -5,4 +5,12 @@ from gpu_worker.engine import EngineStats, LLMEngine
 from gpu_worker.llm import LLM, CompletionOutput, RequestOutput
 from gpu_worker.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineStats",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -40,12 +40,14 @@ def paged_attention_forward(
     paged_metadata: AttentionMetadata | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over the paged KV pool; returns `[1, num_tokens, num_heads, head_size]` as transformers expects."""
+    """Attention over the paged KV pool; returns `[1, num_tokens, num_heads, head_size]`."""
     meta = paged_metadata
     assert meta is not None, "the pagedserve attention runs only inside the model runner"
     k_cache, v_cache = meta.kv_caches[module.layer_idx]  # type: ignore[index]
     q = query[0].transpose(0, 1)
-    kernels.write_kv_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping)
+    kernels.write_kv_cache(
+        key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping
+    )
     out = torch.empty_like(q)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     kernels.paged_attention(

@@ -154,7 +154,7 @@ class BlockAllocator:
     def append_slots(
         self, block_table: list[int], num_tokens_before: int, num_tokens_after: int
     ) -> list[tuple[int, int]]:
-        """Grow block_table in place to hold num_tokens_after tokens; return copy-on-write (src, dst) pairs."""
+        """Grow block_table in place to hold num_tokens_after tokens; return the CoW (src, dst) pairs."""
         # Checked up front so a failed call leaves the table and the pool untouched.
         assert self.can_allocate(self.num_blocks_to_append(block_table, num_tokens_before, num_tokens_after))
         copies: list[tuple[int, int]] = []
@@ -179,7 +179,7 @@ class BlockAllocator:
         num_full_blocks: int,
         parent_hash: int | None,
     ) -> int | None:
-        """Register block_table[num_cached_blocks:num_full_blocks] in the prefix cache; return the last hash."""
+        """Put block_table[num_cached_blocks:num_full_blocks] in the prefix cache; return the last hash."""
         if not self.enable_prefix_caching or num_full_blocks <= num_cached_blocks:
             return parent_hash
         bs = self.block_size
@@ -193,7 +193,7 @@ class BlockAllocator:
             if existing is not None:
                 assert existing.block_hash == h, f"block {block_id} re-cached with different content"
             elif h not in self._hash_to_block:
-                # If another block already holds this hash it stays the canonical copy; this one stays uncached.
+                # Another block holding this hash stays the canonical copy; this one stays uncached.
                 self._cached[block_id] = CachedBlock(h, parent_hash, tokens)
                 self._hash_to_block[h] = block_id
             parent_hash = h

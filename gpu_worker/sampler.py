@@ -94,8 +94,8 @@ class Sampler:
         if bool((min_p > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        # Exponential race (argmax p / E with E ~ Exp(1)) samples from p; each row draws its noise from its own
-        # generator, so a seeded request gets the same tokens whatever else shares the batch.
+        # Exponential race (argmax p / E with E ~ Exp(1)) samples from p; each row draws its noise from its
+        # own generator, so a seeded request gets the same tokens whatever else shares the batch.
         noise = torch.empty_like(probs)
         for i, seq in enumerate(seqs):
             noise[i].exponential_(generator=seq.generator)

@@ -21,9 +21,24 @@ class Sequence:
     """A prompt and the tokens sampled after it; one per sample of a request (n > 1 gives n of them)."""
 
     __slots__ = (
-        "seq_id", "request_id", "index", "params", "priority", "arrival", "token_ids", "num_prompt_tokens",
-        "num_computed_tokens", "block_table", "num_cached_blocks", "last_block_hash", "status",
-        "finish_reason", "generator", "num_pending_forks", "logprobs", "top_logprobs",
+        "arrival",
+        "block_table",
+        "finish_reason",
+        "generator",
+        "index",
+        "last_block_hash",
+        "logprobs",
+        "num_cached_blocks",
+        "num_computed_tokens",
+        "num_pending_forks",
+        "num_prompt_tokens",
+        "params",
+        "priority",
+        "request_id",
+        "seq_id",
+        "status",
+        "token_ids",
+        "top_logprobs",
     )
 
     def __init__(
@@ -69,7 +84,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:
@@ -89,8 +104,13 @@ class Sequence:
     def fork(self, seq_id: int, index: int, block_table: list[int]) -> Sequence:
         """A sibling sample sharing this sequence's tokens and (already shared) blocks."""
         child = Sequence(
-            seq_id, self.request_id, self.token_ids[: self.num_prompt_tokens], self.params,
-            index=index, priority=self.priority, arrival=self.arrival,
+            seq_id,
+            self.request_id,
+            self.token_ids[: self.num_prompt_tokens],
+            self.params,
+            index=index,
+            priority=self.priority,
+            arrival=self.arrival,
         )
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens

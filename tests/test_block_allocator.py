@@ -258,7 +258,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         parent = None
         for i, (block_id, h) in enumerate(zip(hits, hashes)):
             assert self.kv_of[block_id] == tuple(tokens[: (i + 1) * BS])
-            parent = hash((parent, tuple(tokens[i * BS : (i + 1) * BS])))
+            parent = ba._block_hash(parent, tuple(tokens[i * BS : (i + 1) * BS]))
             assert h == parent
 
     @invariant()

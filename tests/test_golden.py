@@ -34,9 +34,12 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int = MAX_NE
     for ids in prompts:
         input_ids = torch.tensor([ids])
         out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
         )
-        outputs.append(out[0, len(ids):].tolist())
+        outputs.append(out[0, len(ids) :].tolist())
     return outputs
 
 
@@ -77,7 +80,10 @@ def tiny_reference(tiny_model_path: str, tiny_prompts: list[list[int]]) -> list[
     ],
 )
 def test_tiny_batch_matches_transformers(
-    tiny_model_path: str, tiny_prompts: list[list[int]], tiny_reference: list[list[int]], options: dict[str, Any]
+    tiny_model_path: str,
+    tiny_prompts: list[list[int]],
+    tiny_reference: list[list[int]],
+    options: dict[str, Any],
 ) -> None:
     llm = LLM(tiny_model_path, num_kv_blocks=1024, **options)
     assert token_ids(llm.generate(tiny_prompts, GREEDY, use_tqdm=False)) == tiny_reference
@@ -97,7 +103,9 @@ def test_tiny_preemption_keeps_output(
 def test_tiny_prefix_cache_hits_keep_output(tiny_model_path: str) -> None:
     g = torch.Generator().manual_seed(11)
     prefix = torch.randint(3, 49152, (150,), generator=g).tolist()
-    prompts = [prefix + torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 5, 16, 30, 47, 2, 9, 64)]
+    prompts = [
+        prefix + torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 5, 16, 30, 47, 2, 9, 64)
+    ]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     reference = hf_greedy(model, prompts)
     # Two sequences at a time: later prompts arrive after the shared prefix's blocks are computed and cached.
@@ -140,7 +148,9 @@ def test_tiny_seeded_samples_reproducible(tiny_model_path: str, tiny_prompts: li
     assert [c.token_ids for c in again.outputs] == samples
     # And in a fresh engine.
     fresh = LLM(tiny_model_path, num_kv_blocks=64, block_size=16)
-    assert [c.token_ids for c in fresh.generate(tiny_prompts[4], params, use_tqdm=False)[0].outputs] == samples
+    assert [
+        c.token_ids for c in fresh.generate(tiny_prompts[4], params, use_tqdm=False)[0].outputs
+    ] == samples
     assert_pool_drained(llm)
     assert_pool_drained(fresh)
 
@@ -160,7 +170,11 @@ def smollm2_prompts(smollm2_llm: LLM) -> list[list[int]]:
     conversations.append([{"role": "user", "content": "Summarize this text: " + ARTICLE * 4}])
     conversations.append([{"role": "user", "content": "What crosses the river? " + ARTICLE * 8}])
     return [
-        list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        list(
+            tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
         for c in conversations
     ]
 
