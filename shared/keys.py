@@ -1,0 +1,81 @@
+"""Every Redis key and channel name pagedserve uses, in one place.
+
+All names start with the configured prefix (`REDIS_PREFIX`, default `pagedserve`), so several deployments or
+test runs can share one Redis. `rid` is a request id, `wid` a worker id, `i` a sample index.
+
+| name                         | type          | writer               | reader                 | TTL           |
+| ---------------------------- | ------------- | -------------------- | ---------------------- | ------------- |
+| {p}:requests                 | stream        | gateway, batch       | scheduler (group)      | MAXLEN ~      |
+| {p}:workers                  | set           | worker               | scheduler, gateway     | swept if dead |
+| {p}:worker:{wid}             | hash          | worker (heartbeat)   | scheduler, gateway     | HEARTBEAT_TTL |
+| {p}:worker:{wid}:inbox       | stream        | scheduler            | worker (group)         | gone if dead  |
+| {p}:worker:{wid}:assigned    | hash rid→json | scheduler; worker del | scheduler (failover)  | gone if dead  |
+| {p}:aborts                   | pub/sub       | gateway              | workers                | -             |
+| {p}:request:{rid}:abort      | string        | gateway              | scheduler, worker      | REQUEST_TTL   |
+| {p}:request:{rid}:events     | pub/sub       | worker               | gateway                | -             |
+| {p}:request:{rid}:tokens:{i} | list of ints  | worker               | scheduler, gateway     | REQUEST_TTL   |
+| {p}:request:{rid}:finished   | hash i→reason | worker               | scheduler (failover)   | REQUEST_TTL   |
+| {p}:scheduler:stats          | hash          | scheduler            | gateway                | HEARTBEAT_TTL |
+| {p}:scheduler:lock           | string        | scheduler            | scheduler              | seconds       |
+
+HEARTBEAT_TTL is HEARTBEAT_TTL_S and REQUEST_TTL is REQUEST_TTL_S (shared.settings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULER_GROUP = "scheduler"
+WORKER_GROUP = "worker"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key and channel names under one prefix."""
+
+    prefix: str = "pagedserve"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}:requests"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def worker(self, wid: str) -> str:
+        return f"{self.prefix}:worker:{wid}"
+
+    def inbox(self, wid: str) -> str:
+        return f"{self.prefix}:worker:{wid}:inbox"
+
+    def assigned(self, wid: str) -> str:
+        return f"{self.prefix}:worker:{wid}:assigned"
+
+    @property
+    def aborts(self) -> str:
+        return f"{self.prefix}:aborts"
+
+    def abort_flag(self, rid: str) -> str:
+        return f"{self.prefix}:request:{rid}:abort"
+
+    def events(self, rid: str) -> str:
+        return f"{self.prefix}:request:{rid}:events"
+
+    def tokens(self, rid: str, index: int) -> str:
+        return f"{self.prefix}:request:{rid}:tokens:{index}"
+
+    def finished(self, rid: str) -> str:
+        return f"{self.prefix}:request:{rid}:finished"
+
+    @property
+    def scheduler_stats(self) -> str:
+        return f"{self.prefix}:scheduler:stats"
+
+    @property
+    def scheduler_lock(self) -> str:
+        return f"{self.prefix}:scheduler:lock"
+
+    def all_patterns(self) -> list[str]:
+        """Glob patterns matching every key under this prefix (tests clean up with these)."""
+        return [f"{self.prefix}:*"]

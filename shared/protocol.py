@@ -1,0 +1,171 @@
+"""The wire protocol: every message between services is one of these versioned models, sent as JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROTOCOL_VERSION = 1
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class WireModel(BaseModel):
+    """Base of every message: unknown fields are refused, and every message names its version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+M = TypeVar("M", bound=WireModel)
+
+
+def encode(message: WireModel) -> str:
+    return message.model_dump_json()
+
+
+def decode(cls: type[M], data: str | bytes) -> M:
+    return cls.model_validate_json(data)
+
+
+class SamplingSpec(BaseModel):
+    """How to sample; the same fields and meaning as the engine's SamplingParams."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+class GenerateRequest(WireModel):
+    """A tokenized request on the requests stream (gateway → scheduler) and inside an Assignment."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    priority: int = 0
+    arrival_time: float
+    # Failover: the samples still to run (None: all n) and, per sample, the tokens it already streamed.
+    samples: list[int] | None = None
+    resume: dict[int, list[int]] = Field(default_factory=dict)
+
+    def sample_indices(self) -> list[int]:
+        return list(range(self.sampling.n)) if self.samples is None else list(self.samples)
+
+    def num_blocks_for_prompt(self, block_size: int) -> int:
+        """Blocks the prompt (plus any resumed tokens of its longest sample) occupies once computed."""
+        longest = max((len(t) for t in self.resume.values()), default=0)
+        return -(-(len(self.prompt_token_ids) + longest) // block_size)
+
+
+class Assignment(WireModel):
+    """The scheduler hands one request to one worker (on that worker's inbox stream)."""
+
+    worker_id: str
+    request: GenerateRequest
+    reserved_blocks: int
+
+
+class TokenLogprob(BaseModel):
+    """The chosen token's log-probability and the top alternatives."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = Field(default_factory=dict)
+
+
+class TokenEvent(WireModel):
+    """New tokens of one sample (worker → gateway, on the request's channel).
+
+    `start` is the position of token_ids[0] in the sample's output, so a receiver drops duplicates and
+    notices gaps. The last event of a sample carries its finish_reason.
+    """
+
+    request_id: str
+    index: int
+    start: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int
+    worker_id: str
+    error: str | None = None
+
+
+class AbortMessage(WireModel):
+    """Stop a request (client gone, stop string seen); the worker applies it at its next step."""
+
+    request_id: str
+    reason: str = "abort"
+
+
+class SchedulerStats(WireModel):
+    """The scheduler's queue, for the gateway's back-pressure and metrics."""
+
+    num_waiting: int
+    num_assigned: int
+    updated_at: float
+
+    def to_hash(self) -> dict[str, str]:
+        return _to_hash(self)
+
+    @classmethod
+    def from_hash(cls, fields: Mapping[str, str] | Mapping[bytes, bytes]) -> SchedulerStats:
+        return cls.model_validate(_from_hash(fields))
+
+
+def _to_hash(message: WireModel) -> dict[str, str]:
+    """One hash field per attribute, each value JSON (so types survive the round trip)."""
+    return {k: json.dumps(v) for k, v in message.model_dump().items()}
+
+
+def _from_hash(fields: Mapping[str, str] | Mapping[bytes, bytes]) -> dict[str, object]:
+    return {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in fields.items()}
+
+
+class Heartbeat(WireModel):
+    """A worker's state, stored as a Redis hash with a TTL: refreshed every heartbeat interval."""
+
+    worker_id: str
+    model: str
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    last_step_time: float
+    started_at: float
+    max_model_len: int
+    # Blocks the prompts queued inside the worker will take when admitted (not yet allocated).
+    waiting_blocks: int = 0
+    # The last inbox entry the worker has taken into its engine: assignments after it are not yet counted
+    # in free_blocks, so the scheduler keeps their blocks reserved.
+    inbox_last_id: str = "0-0"
+    num_preemptions: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+    def to_hash(self) -> dict[str, str]:
+        return _to_hash(self)
+
+    @classmethod
+    def from_hash(cls, fields: Mapping[str, str] | Mapping[bytes, bytes]) -> Heartbeat:
+        return cls.model_validate(_from_hash(fields))
