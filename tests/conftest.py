@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,3 +63,70 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Redis: REDIS_URL (default 127.0.0.1:6379) when it answers, else a redis-server started here."""
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+        yield url
+        return
+    except redis.RedisError:
+        pass
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail(
+            "no Redis answers at REDIS_URL and redis-server is not installed (apt-get install redis-server)"
+        )
+    port = _free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix of this test's own; every key under it is deleted afterwards (and nothing else)."""
+    prefix = f"pagedserve-test-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    for pattern in Keys(prefix).all_patterns():
+        keys = list(client.scan_iter(match=pattern, count=1000))
+        if keys:
+            client.delete(*keys)
