@@ -17,9 +17,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from gpu_worker.model_loader import resolve_model_path
+from shared.keys import Keys
 
 # Large enough weights that the random model's next-token distribution is peaked: greedy comparisons
 # against transformers then never hinge on a near-tie decided by rounding.
