@@ -111,8 +111,9 @@ def _truncate_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[fl
     remove = ranks >= k
     p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype).unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    # Keep a token while the mass before it is below p; the top token always stays.
+    # Keep a token while the mass before it is below p; the top token always stays. Rows with p = 1 are left
+    # alone: a float32 cumsum can reach 1.0 before the tail, which would cut it off.
     mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= p
+    remove |= (mass_before >= p) & (p < 1.0)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

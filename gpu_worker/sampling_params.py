@@ -30,7 +30,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # written so that NaN fails too
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -40,7 +40,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
+        if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")

@@ -51,8 +51,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        num_preemptions = self.num_preemptions
         budget = self._schedule_running(out, budget)
-        self._schedule_waiting(out, budget)
+        # NOTE: after a preemption the pool is full; admitting now would only readmit the victim and
+        # recompute what it just dropped.
+        if self.num_preemptions == num_preemptions:
+            self._schedule_waiting(out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

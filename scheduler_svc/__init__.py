@@ -1,1 +1,1 @@
-"""The scheduler service: admits queued requests against the free KV blocks of each worker (not built yet)."""
+"""The scheduler service: admits queued requests to workers by free KV blocks; re-queues dead ones' work."""

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 SCHEDULER_GROUP = "scheduler"
 WORKER_GROUP = "worker"
+# Writers of the requests stream trim it to about this many entries (XADD MAXLEN ~), far more than ever wait.
+REQUESTS_STREAM_MAXLEN = 100_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,9 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = Field(1 << 20, description="largest accepted request body")
     sse_heartbeat_s: float = Field(5.0, description="seconds between SSE keep-alive comments")
     request_timeout_s: float = Field(600.0, description="give up on a request after this long")
+    max_model_len: int | None = Field(
+        None, description="longest prompt + output in tokens (default and cap: the model's context)"
+    )
 
     def api_key_set(self) -> set[str]:
         return {k.strip() for k in self.api_keys.split(",") if k.strip()}
@@ -58,6 +61,9 @@ class SchedulerSettings(CommonSettings):
     watermark_blocks: int = Field(2, description="free blocks a worker keeps beyond an admitted prompt")
     max_running_per_worker: int = Field(256, description="assignments a worker may hold at once")
     poll_interval_s: float = Field(0.05, description="longest wait for new requests before re-checking")
+    claim_idle_s: float = Field(
+        5.0, description="requests a scheduler has not touched for this long are claimed by another"
+    )
 
 
 class WorkerSettings(CommonSettings):

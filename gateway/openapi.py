@@ -1,0 +1,153 @@
+"""The OpenAPI 3 document of the gateway; request schemas come from the pydantic models themselves."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+
+Json = dict[str, Any]
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _ref(name: str) -> Json:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: Json, description: str) -> Json:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[str, Json]:
+    meaning = {
+        400: "invalid request",
+        401: "missing or wrong API key",
+        404: "unknown model",
+        413: "body too large",
+        415: "body is not JSON",
+        500: "the generation failed",
+        503: "overloaded or no worker (see Retry-After)",
+        504: "the request timed out",
+    }
+    return {str(s): _json(_ref("Error"), meaning[s]) for s in statuses}
+
+
+def _post(summary: str, body: Json, ok: Json, *statuses: int, secured: bool = True) -> Json:
+    operation: Json = {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+        "responses": {"200": ok, **_errors(*statuses)},
+    }
+    if secured:
+        operation["security"] = [{"bearer": []}]
+    return {"post": operation}
+
+
+def _get(summary: str, ok: Json, *extra: tuple[int, str], secured: bool = False) -> Json:
+    responses: Json = {"200": ok}
+    for status, description in extra:
+        responses[str(status)] = {"description": description}
+    operation: Json = {"summary": summary, "responses": responses}
+    if secured:
+        operation["security"] = [{"bearer": []}]
+    return {"get": operation}
+
+
+_OBJECT = {"type": "object"}
+_GENERATION_ERRORS = (400, 401, 404, 413, 415, 500, 503, 504)
+
+
+@cache
+def _schemas() -> Json:
+    models: list[type[BaseModel]] = [
+        CompletionRequest,
+        ChatCompletionRequest,
+        TokenizeCompletionRequest,
+        TokenizeChatRequest,
+        DetokenizeRequest,
+    ]
+    _, top = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+    )
+    return {**top["$defs"], "Error": _ERROR}
+
+
+def document(model_name: str) -> Json:
+    streamed = {
+        "description": "the result; with stream=true, server-sent events ending with `data: [DONE]`",
+        "content": {
+            "application/json": {"schema": _OBJECT},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+    tokenize_body = {"oneOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]}
+    paths = {
+        "/v1/completions": _post(
+            "Complete a prompt", _ref("CompletionRequest"), streamed, *_GENERATION_ERRORS
+        ),
+        "/v1/chat/completions": _post(
+            "Answer a conversation", _ref("ChatCompletionRequest"), streamed, *_GENERATION_ERRORS
+        ),
+        "/v1/models": _get("The served model", _json(_OBJECT, "a list holding the model"), secured=True),
+        "/v1/models/{model_id}": {
+            **_get("One model", _json(_OBJECT, "the model"), (404, "unknown model"), secured=True),
+            "parameters": [
+                {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+        },
+        "/tokenize": _post(
+            "Token ids of a prompt or of a conversation's chat template",
+            tokenize_body,
+            _json(_OBJECT, "tokens, count and max_model_len"),
+            *(400, 401, 413, 415),
+        ),
+        "/detokenize": _post(
+            "Text of token ids", _ref("DetokenizeRequest"), _json(_OBJECT, "the text as `prompt`"), 400, 401
+        ),
+        "/health": _get("The process is alive", _json(_OBJECT, "ok")),
+        "/ready": _get("Redis answers and a worker is live", _json(_OBJECT, "ready"), (503, "not ready")),
+        "/metrics": _get(
+            "Prometheus metrics (vLLM names)",
+            {"description": "exposition text", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        ),
+        "/openapi.json": _get("This document", _json(_OBJECT, "OpenAPI 3 document")),
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "pagedserve",
+            "version": "0.1.0",
+            "description": f"OpenAI-compatible API serving {model_name} with PagedAttention.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": _schemas(),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

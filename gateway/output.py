@@ -1,0 +1,97 @@
+"""One sample's output as its tokens arrive: text in whole characters, cut at the first stop string."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.streaming import SampleTokens
+from gateway.tokenization import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class LogprobEntry:
+    """One output token's log-probability, its top alternatives, and where its text starts."""
+
+    token_id: int
+    logprob: float | None
+    top: dict[int, float]
+    text_offset: int
+
+
+class SampleOutput:
+    """The text, token count and logprobs of one sample, and what of them the client has been sent.
+
+    While streaming, the last len(longest stop string) - 1 characters are held back: they may be the
+    start of a stop string that the next tokens complete, and a stop string is never shown.
+    """
+
+    def __init__(
+        self, index: int, detokenizer: IncrementalDetokenizer, stop: list[str], want_logprobs: bool
+    ) -> None:
+        self.index = index
+        self._detokenizer = detokenizer
+        self._stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._want_logprobs = want_logprobs
+        self.text = ""
+        self.num_tokens = 0
+        self.logprobs: list[LogprobEntry] = []
+        self.finish_reason: str | None = None
+        self.stopped_here = False  # a stop string ended it here; its worker may still be generating
+        self._sent_chars = 0
+        self._sent_logprobs = 0
+        self._finish_sent = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, tokens: SampleTokens) -> None:
+        for token_id, logprob in zip(tokens.token_ids, tokens.logprobs):
+            if self.finished:
+                return
+            self.num_tokens += 1
+            if self._want_logprobs:
+                self.logprobs.append(
+                    LogprobEntry(
+                        token_id,
+                        None if logprob is None else logprob.logprob,
+                        {} if logprob is None else dict(logprob.top),
+                        len(self.text),
+                    )
+                )
+            self._append(self._detokenizer.add(token_id))
+        if tokens.finish_reason is not None and not self.finished:
+            self._append(self._detokenizer.flush())
+            if not self.finished:
+                self.finish_reason = tokens.finish_reason
+
+    def _append(self, new: str) -> None:
+        if not new:
+            return
+        # A stop string found now ends in the new text, so it starts at most len(stop) - 1 characters
+        # before it: earlier text was already searched.
+        search_from = max(0, len(self.text) - self._holdback)
+        self.text += new
+        cut = min((i for s in self._stop if (i := self.text.find(s, search_from)) >= 0), default=-1)
+        if cut >= 0:
+            assert cut >= self._sent_chars, "held-back text must cover any stop string"
+            self.text = self.text[:cut]
+            self.finish_reason = "stop"
+            self.stopped_here = True
+
+    def take(self) -> tuple[str, list[LogprobEntry]]:
+        """The text and logprobs not yet sent, minus the held-back tail while the sample is running."""
+        end = len(self.text) if self.finished else max(self._sent_chars, len(self.text) - self._holdback)
+        text = self.text[self._sent_chars : end]
+        self._sent_chars = end
+        logprobs = self.logprobs[self._sent_logprobs :]
+        self._sent_logprobs = len(self.logprobs)
+        return text, logprobs
+
+    def take_finish(self) -> str | None:
+        """The finish reason, once, when the sample has ended (after its last text was taken)."""
+        if self.finish_reason is None or self._finish_sent:
+            return None
+        self._finish_sent = True
+        return self.finish_reason

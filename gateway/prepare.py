@@ -1,0 +1,119 @@
+"""From a validated request body to a tokenized GenerateRequest within the model's limits."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from gateway.errors import APIError, bad_request
+from gateway.generation import Prepared
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody, conversation
+from gateway.tokenization import Tokenizer
+from shared.protocol import GenerateRequest, SamplingSpec
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(
+            404,
+            f"the model '{requested}' does not exist; this server serves '{served}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepared:
+    if isinstance(body.prompt, str):
+        prompt_text, prompt_ids = body.prompt, tokenizer.encode(body.prompt)
+    else:
+        tokenizer.check_ids(body.prompt, "prompt")
+        prompt_ids = list(body.prompt)
+        prompt_text = tokenizer.decode(prompt_ids) if body.echo else ""
+    if not prompt_ids:
+        raise bad_request("the prompt is empty", param="prompt")
+    sampling = _sampling(body, body.max_tokens, body.logprobs, len(prompt_ids), tokenizer)
+    return Prepared(
+        request=_request("cmpl", prompt_ids, sampling, body.priority),
+        stop=body.stop_strings,
+        prompt_text=prompt_text,
+        echo=body.echo,
+        want_logprobs=body.logprobs is not None,
+        stream=body.stream,
+        include_usage=body.include_usage,
+    )
+
+
+def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> Prepared:
+    prompt_ids = tokenizer.encode_chat(conversation(body.messages))
+    if not prompt_ids:
+        raise bad_request("the messages make an empty prompt", param="messages")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    sampling = _sampling(body, max_tokens, logprobs, len(prompt_ids), tokenizer)
+    return Prepared(
+        request=_request("chatcmpl", prompt_ids, sampling, body.priority),
+        stop=body.stop_strings,
+        want_logprobs=body.logprobs,
+        stream=body.stream,
+        include_usage=body.include_usage,
+    )
+
+
+def _sampling(
+    body: SamplingBody,
+    max_tokens: int | None,
+    logprobs: int | None,
+    num_prompt_tokens: int,
+    tokenizer: Tokenizer,
+) -> SamplingSpec:
+    limit = tokenizer.max_model_len
+    if num_prompt_tokens >= limit:
+        raise bad_request(
+            f"the prompt has {num_prompt_tokens} tokens; the model's context is {limit} tokens "
+            "and the prompt must leave room for at least one more",
+            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+    if max_tokens is None:
+        max_tokens = limit - num_prompt_tokens
+    elif num_prompt_tokens + max_tokens > limit:
+        raise bad_request(
+            f"the prompt ({num_prompt_tokens} tokens) plus {param} ({max_tokens}) is more than the model's "
+            f"context of {limit} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if body.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({body.min_tokens}) is more than {param} ({max_tokens})", "min_tokens")
+    tokenizer.check_ids(body.stop_token_ids, "stop_token_ids")
+    return SamplingSpec(
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop_token_ids=list(body.stop_token_ids),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def _request(kind: str, prompt_ids: list[int], sampling: SamplingSpec, priority: int) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=new_request_id(kind),
+        prompt_token_ids=prompt_ids,
+        sampling=sampling,
+        priority=priority,
+        arrival_time=time.time(),
+    )

@@ -1,0 +1,136 @@
+"""Failover: a registered worker whose heartbeat expired is dead; its unfinished samples are re-queued."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+
+import redis
+from pydantic import ValidationError
+
+from shared.keys import Keys
+from shared.protocol import GenerateRequest, decode, encode
+
+log = logging.getLogger(__name__)
+
+# Long enough for one sweep (a few round trips), short enough that a scheduler dying mid-sweep delays little.
+LOCK_TTL_MS = 5000
+
+
+def resume_request(
+    request: GenerateRequest, finished: Mapping[str, str], tokens: Mapping[int, list[int]]
+) -> GenerateRequest | None:
+    """The request for its unfinished samples, each resuming from its streamed tokens; None if all ended."""
+    unfinished = [i for i in request.sample_indices() if str(i) not in finished]
+    if not unfinished:
+        return None
+    resume: dict[int, list[int]] = {}
+    for i in unfinished:
+        # The token record holds every token of the sample, those of earlier failovers included; the request's
+        # own resume only matters if the record has expired meanwhile, so keep the longer.
+        streamed = max(tokens.get(i, []), request.resume.get(i, []), key=len)
+        if streamed:
+            resume[i] = list(streamed)
+    return request.model_copy(update={"samples": unfinished, "resume": resume})
+
+
+class Failover:
+    """Re-queues the work of dead workers through the requests stream and deletes their keys."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, owner: str) -> None:
+        self._client = client
+        self._keys = keys
+        self._owner = owner
+
+    def sweep(self, dead_worker_ids: list[str]) -> list[GenerateRequest] | None:
+        """The re-queued requests; None when another scheduler holds the lock or a worker came back."""
+        if not dead_worker_ids:
+            return []
+        token = f"{self._owner}:{uuid.uuid4().hex}"
+        if not self._client.set(self._keys.scheduler_lock, token, nx=True, px=LOCK_TTL_MS):
+            return None
+        try:
+            return self._sweep(dead_worker_ids)
+        except redis.WatchError:
+            log.info("a worker presumed dead wrote to Redis during failover; retrying next round")
+            return None
+        finally:
+            self._release(token)
+
+    def _sweep(self, dead_worker_ids: list[str]) -> list[GenerateRequest]:
+        keys = self._keys
+        with self._client.pipeline(transaction=True) as tx:
+            # A worker that was only slow may heartbeat again or finish a request while we work: the
+            # watch turns the final MULTI into a no-op then, and the next round looks again.
+            tx.watch(*(k for wid in dead_worker_ids for k in (keys.worker(wid), keys.assigned(wid))))
+            read = self._client.pipeline(transaction=False)
+            for wid in dead_worker_ids:
+                read.exists(keys.worker(wid))
+                read.hgetall(keys.assigned(wid))
+            results = read.execute()
+            dead: list[str] = []
+            requests: list[GenerateRequest] = []
+            for wid, alive, assigned in zip(dead_worker_ids, results[0::2], results[1::2]):
+                if alive:
+                    continue
+                dead.append(wid)
+                for rid, data in assigned.items():
+                    try:
+                        requests.append(decode(GenerateRequest, data))
+                    except ValidationError as exc:
+                        log.error("dropping unreadable assignment %s of dead worker %s: %s", rid, wid, exc)
+            requeue = self._resumed(requests)
+            tx.multi()
+            for request in requeue:
+                tx.xadd(keys.requests, {"data": encode(request)})
+            for wid in dead:
+                tx.delete(keys.inbox(wid), keys.assigned(wid))
+                tx.srem(keys.workers, wid)
+            tx.execute()
+        for request in requeue:
+            log.warning(
+                "re-queued %s samples %s (resuming after %s tokens)",
+                request.request_id,
+                request.samples,
+                {i: len(t) for i, t in request.resume.items()},
+            )
+        if dead:
+            log.warning("removed dead workers %s", dead)
+        return requeue
+
+    def _resumed(self, requests: list[GenerateRequest]) -> list[GenerateRequest]:
+        """One pipeline reads every request's abort flag, finished samples and streamed tokens."""
+        keys = self._keys
+        read = self._client.pipeline(transaction=False)
+        for request in requests:
+            read.exists(keys.abort_flag(request.request_id))
+            read.hgetall(keys.finished(request.request_id))
+            for i in request.sample_indices():
+                read.lrange(keys.tokens(request.request_id, i), 0, -1)
+        results = iter(read.execute() if requests else [])
+        requeue: list[GenerateRequest] = []
+        for request in requests:
+            aborted, finished = next(results), next(results)
+            tokens = {i: [int(t) for t in next(results)] for i in request.sample_indices()}
+            if aborted:
+                log.info("not re-queuing aborted request %s", request.request_id)
+                continue
+            resumed = resume_request(request, finished, tokens)
+            if resumed is not None:
+                requeue.append(resumed)
+        return requeue
+
+    def _release(self, token: str) -> None:
+        """Delete the lock only if it is still ours (it may have expired and been taken by another)."""
+        with self._client.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(self._keys.scheduler_lock)
+                if pipe.get(self._keys.scheduler_lock) == token:
+                    pipe.multi()
+                    pipe.delete(self._keys.scheduler_lock)
+                    pipe.execute()
+                else:
+                    pipe.unwatch()
+            except redis.WatchError:
+                pass

@@ -1,0 +1,73 @@
+"""The waiting queue: requests read from the requests stream and not yet handed to a worker."""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+
+from shared.protocol import GenerateRequest
+
+StreamId = tuple[int, int]
+
+
+def parse_stream_id(entry_id: str) -> StreamId:
+    """A stream entry id ("ms-seq") as a tuple: ids compare in stream order, which strings do not."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(slots=True)
+class QueuedRequest:
+    """A waiting request and the requests-stream entry to acknowledge once it has been handed on."""
+
+    entry_id: str
+    request: GenerateRequest
+    order: tuple[int, float, StreamId] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.order = (self.request.priority, self.request.arrival_time, parse_stream_id(self.entry_id))
+
+
+def _order(entry: QueuedRequest) -> tuple[int, float, StreamId]:
+    return entry.order
+
+
+class WaitingQueue:
+    """Requests in admission order: priority (lower first), then arrival time, then stream order."""
+
+    def __init__(self) -> None:
+        self._entries: list[QueuedRequest] = []
+        self._entry_ids: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        return iter(self._entries)
+
+    def __contains__(self, entry_id: object) -> bool:
+        return entry_id in self._entry_ids
+
+    def entry_ids(self) -> list[str]:
+        return [e.entry_id for e in self._entries]
+
+    def push(self, entry: QueuedRequest) -> bool:
+        """Add an entry; False if already queued (an entry can be read twice: pending re-read, then claim)."""
+        if entry.entry_id in self._entry_ids:
+            return False
+        # NOTE: a sorted list, not a heap: admission walks the queue in order without popping.
+        insort(self._entries, entry, key=_order)
+        self._entry_ids.add(entry.entry_id)
+        return True
+
+    def remove(self, entry_ids: Collection[str]) -> None:
+        if not entry_ids:
+            return
+        drop = set(entry_ids)
+        self._entries = [e for e in self._entries if e.entry_id not in drop]
+        self._entry_ids -= drop
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._entry_ids.clear()

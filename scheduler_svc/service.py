@@ -1,0 +1,245 @@
+"""The scheduler loop: read the requests stream, watch the workers, admit, publish the queue's state."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable
+from typing import Any, cast
+
+import redis
+from pydantic import ValidationError
+
+from scheduler_svc.admission import Admit, Decision, Reject, never_fits, plan_admissions
+from scheduler_svc.failover import Failover
+from scheduler_svc.queue import QueuedRequest, WaitingQueue
+from scheduler_svc.workers import WorkerView
+from shared.keys import SCHEDULER_GROUP
+from shared.protocol import Assignment, GenerateRequest, SchedulerStats, TokenEvent, decode, encode
+from shared.settings import SchedulerSettings
+
+log = logging.getLogger(__name__)
+
+READ_COUNT = 512  # entries per read of the requests stream
+STATS_INTERVAL_S = 0.5  # unchanged stats are rewritten this often, well inside their TTL
+RETRY_S = 0.5  # pause after a Redis error before resynchronizing
+
+
+def default_consumer_name() -> str:
+    """Stable per host and process: a container restarted as pid 1 re-reads its own pending entries."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+StreamEntry = tuple[str, dict[str, str] | None]
+
+
+class SchedulerService:
+    """Admits requests from the requests stream to workers' inboxes and re-queues the work of dead workers."""
+
+    def __init__(
+        self, settings: SchedulerSettings, client: redis.Redis | None = None, consumer: str | None = None
+    ) -> None:
+        self.settings = settings
+        self.keys = settings.keys
+        self.client = client or redis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self.consumer = consumer or default_consumer_name()
+        self.queue = WaitingQueue()
+        self.view = WorkerView(self.client, self.keys)
+        self.failover = Failover(self.client, self.keys, owner=self.consumer)
+        self._fresh: list[QueuedRequest] = []  # read this step: checked at once against every worker
+        self._needs_resync = True
+        self._stopping = False
+        self._next_claim = 0.0
+        self._last_stats: tuple[int, int] | None = None
+        self._stats_at = 0.0
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def run(self) -> None:
+        """Step until stopped; a Redis error costs a pause and a resynchronization, never the process."""
+        block_ms = max(1, round(self.settings.poll_interval_s * 1000))
+        log.info("scheduler %s reading %s", self.consumer, self.keys.requests)
+        while not self._stopping:
+            try:
+                self.step(block_ms)
+            except redis.RedisError as exc:
+                log.warning("redis error, resynchronizing: %s", exc)
+                self._needs_resync = True
+                time.sleep(RETRY_S)
+        log.info("scheduler %s stopped", self.consumer)
+
+    def step(self, block_ms: int | None = None) -> None:
+        """One iteration: claim orphans, read, refresh workers, sweep the dead, admit, publish stats."""
+        if self._needs_resync:
+            self._resync()
+        if time.monotonic() >= self._next_claim:
+            self._claim_orphans()
+            self._next_claim = time.monotonic() + self.settings.claim_idle_s / 3
+        self._read(">", block_ms)
+        self.view.refresh()
+        if self.view.dead:
+            # The re-queued requests come back through the stream, so they take the normal path next step.
+            self.failover.sweep(self.view.dead)
+        self._admit()
+        self._publish_stats()
+
+    def _resync(self) -> None:
+        """Rebuild from Redis: the group, our own pending entries and (at the next refresh) reservations."""
+        try:
+            self.client.xgroup_create(self.keys.requests, SCHEDULER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self.queue.clear()
+        self._fresh.clear()
+        self.view.reservations.clear()
+        last_id = "0"
+        while entries := self._read(last_id, None):
+            last_id = entries[-1][0]
+        self._needs_resync = False
+        if self.queue:
+            log.info("re-read %d pending requests", len(self.queue))
+
+    def _read(self, from_id: str, block_ms: int | None) -> list[StreamEntry]:
+        """One XREADGROUP: ">" for new entries, an id to re-read our own pending ones after it."""
+        response = self.client.xreadgroup(
+            SCHEDULER_GROUP, self.consumer, {self.keys.requests: from_id}, count=READ_COUNT, block=block_ms
+        )
+        entries: list[StreamEntry] = []
+        # RESP2 (our client's protocol): [[stream, [(id, fields), ...]]], or None after a block with nothing.
+        for _stream, stream_entries in cast(list[tuple[str, list[StreamEntry]]], response or []):
+            entries.extend(stream_entries)
+        self._intake(entries)
+        return entries
+
+    def _claim_orphans(self) -> None:
+        """Keep our entries fresh, then claim those no scheduler touched for claim_idle_s (one pipeline)."""
+        idle_ms = round(self.settings.claim_idle_s * 1000)
+        pipe = self.client.pipeline(transaction=False)
+        own: list[Any] = self.queue.entry_ids()
+        if own:
+            # Entries wait here for free blocks as long as they must: re-claiming them to ourselves resets
+            # their idle time, so that only a dead scheduler's entries ever look idle.
+            pipe.xclaim(self.keys.requests, SCHEDULER_GROUP, self.consumer, 0, own, justid=True)
+        pipe.xautoclaim(self.keys.requests, SCHEDULER_GROUP, self.consumer, idle_ms, "0-0", count=READ_COUNT)
+        cursor, claimed, _deleted = pipe.execute()[-1]
+        while True:
+            self._intake(claimed)
+            if claimed:
+                log.info("claimed %d requests of a dead scheduler", len(claimed))
+            if cursor == "0-0":
+                break
+            cursor, claimed, _deleted = self.client.xautoclaim(
+                self.keys.requests, SCHEDULER_GROUP, self.consumer, idle_ms, cursor, count=READ_COUNT
+            )
+
+    def _intake(self, entries: Iterable[StreamEntry]) -> None:
+        """Queue decoded requests; acknowledge and delete entries that can never be decoded."""
+        unreadable: list[str] = []
+        for entry_id, fields in entries:
+            try:
+                request = decode(GenerateRequest, (fields or {})["data"])
+            except (KeyError, ValidationError) as exc:
+                # An entry deleted from the stream comes back without fields while still pending.
+                log.error("dropping unreadable request entry %s: %r", entry_id, exc)
+                unreadable.append(entry_id)
+                continue
+            entry = QueuedRequest(entry_id, request)
+            if self.queue.push(entry):
+                self._fresh.append(entry)
+        if unreadable:
+            self._ack(self.client.pipeline(transaction=False), unreadable).execute()
+
+    def _admit(self) -> None:
+        """Plan against the worker view, then at most two round trips: abort flags, then one MULTI/EXEC."""
+        rooms = self.view.rooms(self.settings.watermark_blocks)
+        fresh, self._fresh = self._fresh, []
+        decisions = plan_admissions(self.queue, rooms, self.settings.max_running_per_worker)
+        decided = {d.entry.entry_id for d in decisions}
+        # Fail a request that fits no worker as soon as it arrives, not once it reaches the head.
+        for entry in fresh:
+            error = never_fits(entry.request, rooms) if entry.entry_id not in decided else None
+            if error is not None:
+                decisions.append(Reject(entry, error))
+        if decisions:
+            self._commit(decisions)
+
+    def _commit(self, decisions: list[Decision]) -> None:
+        """Hand admitted requests on and answer rejected ones; their entries are acked in the same MULTI."""
+        keys = self.keys
+        admits = [d for d in decisions if isinstance(d, Admit)]
+        rejects = [d for d in decisions if isinstance(d, Reject)]
+        aborted: set[str] = set()
+        if admits:
+            flags = self.client.pipeline(transaction=False)
+            for admit in admits:
+                flags.exists(keys.abort_flag(admit.entry.request.request_id))
+            aborted = {a.entry.entry_id for a, flag in zip(admits, flags.execute()) if flag}
+        sent = [a for a in admits if a.entry.entry_id not in aborted]
+        tx = self.client.pipeline(transaction=True)
+        for admit in sent:
+            request = admit.entry.request
+            assignment = Assignment(
+                worker_id=admit.worker_id, request=request, reserved_blocks=admit.reserved_blocks
+            )
+            tx.xadd(keys.inbox(admit.worker_id), {"data": encode(assignment)})
+            tx.hset(keys.assigned(admit.worker_id), request.request_id, encode(request))
+        for reject in rejects:
+            for event in _error_events(reject.entry.request, reject.error):
+                tx.publish(keys.events(event.request_id), encode(event))
+        entry_ids = [d.entry.entry_id for d in decisions]
+        results = self._ack(tx, entry_ids).execute()
+        for admit, inbox_entry_id in zip(sent, results[0 : 2 * len(sent) : 2]):
+            self.view.record_assignment(admit.worker_id, inbox_entry_id, admit.reserved_blocks)
+            log.debug(
+                "assigned %s to %s (%d blocks)",
+                admit.entry.request.request_id,
+                admit.worker_id,
+                admit.reserved_blocks,
+            )
+        for admit in admits:
+            if admit.entry.entry_id in aborted:
+                log.info("dropped aborted request %s", admit.entry.request.request_id)
+        for reject in rejects:
+            log.info("rejected request %s: %s", reject.entry.request.request_id, reject.error)
+        self.queue.remove(entry_ids)
+
+    def _ack(self, pipe: redis.client.Pipeline, entry_ids: list[str]) -> redis.client.Pipeline:
+        """Acknowledge and delete handled entries (deleting keeps the stream short; none is read again)."""
+        pipe.xack(self.keys.requests, SCHEDULER_GROUP, *entry_ids)
+        pipe.xdel(self.keys.requests, *entry_ids)
+        return pipe
+
+    def _publish_stats(self) -> None:
+        """Write the stats hash when they change, and at least every STATS_INTERVAL_S (one round trip)."""
+        current = (len(self.queue), self.view.num_assigned)
+        now = time.monotonic()
+        if current == self._last_stats and now - self._stats_at < STATS_INTERVAL_S:
+            return
+        stats = SchedulerStats(num_waiting=current[0], num_assigned=current[1], updated_at=time.time())
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.keys.scheduler_stats, mapping=cast(dict[Any, Any], stats.to_hash()))
+        pipe.pexpire(self.keys.scheduler_stats, round(self.settings.heartbeat_ttl_s * 1000))
+        pipe.execute()
+        self._last_stats, self._stats_at = current, now
+
+
+def _error_events(request: GenerateRequest, error: str) -> list[TokenEvent]:
+    """The final event of every sample of a request that cannot run."""
+    return [
+        TokenEvent(
+            request_id=request.request_id,
+            index=i,
+            # A resumed sample has streamed these tokens already: the error event follows them.
+            start=len(request.resume.get(i, [])),
+            token_ids=[],
+            finish_reason="error",
+            error=error,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            worker_id="scheduler",
+        )
+        for i in request.sample_indices()
+    ]

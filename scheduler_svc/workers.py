@@ -1,0 +1,144 @@
+"""The scheduler's view of the workers: heartbeats, outstanding assignments, blocks reserved on each."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis
+from pydantic import ValidationError
+
+from scheduler_svc.admission import WorkerRoom
+from scheduler_svc.queue import StreamId, parse_stream_id
+from shared.keys import Keys
+from shared.protocol import Assignment, Heartbeat, decode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LiveWorker:
+    """A worker whose heartbeat hash exists, and how many requests it holds (its assigned hash)."""
+
+    heartbeat: Heartbeat
+    num_assigned: int
+
+
+class Reservations:
+    """Blocks promised to assignments a worker has not taken in yet (inbox id after its inbox_last_id)."""
+
+    def __init__(self) -> None:
+        self._by_worker: dict[str, list[tuple[StreamId, int]]] = {}
+
+    def known(self, worker_id: str) -> bool:
+        return worker_id in self._by_worker
+
+    def add(self, worker_id: str, inbox_entry_id: str, blocks: int) -> None:
+        self._by_worker.setdefault(worker_id, []).append((parse_stream_id(inbox_entry_id), blocks))
+
+    def track(self, worker_id: str) -> None:
+        """Start tracking a worker (with nothing reserved) so it is not reloaded from its inbox."""
+        self._by_worker.setdefault(worker_id, [])
+
+    def release_through(self, worker_id: str, inbox_last_id: str) -> None:
+        """Drop what the worker has taken in: its free_blocks already count those."""
+        last = parse_stream_id(inbox_last_id)
+        if worker_id in self._by_worker:
+            self._by_worker[worker_id] = [(i, b) for i, b in self._by_worker[worker_id] if i > last]
+
+    def reserved(self, worker_id: str) -> int:
+        return sum(b for _, b in self._by_worker.get(worker_id, ()))
+
+    def keep_only(self, worker_ids: set[str]) -> None:
+        for wid in list(self._by_worker):
+            if wid not in worker_ids:
+                del self._by_worker[wid]
+
+    def clear(self) -> None:
+        self._by_worker.clear()
+
+
+class WorkerView:
+    """Live and dead workers as of the last refresh, with the blocks reserved on each."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self._client = client
+        self._keys = keys
+        self.live: dict[str, LiveWorker] = {}
+        self.dead: list[str] = []
+        self.reservations = Reservations()
+
+    @property
+    def num_assigned(self) -> int:
+        return sum(w.num_assigned for w in self.live.values())
+
+    def refresh(self) -> None:
+        """Two round trips: the registry, then every member's heartbeat and assigned count in one pipeline."""
+        members = sorted(str(m) for m in self._client.smembers(self._keys.workers))
+        results: list[object] = []
+        if members:
+            pipe = self._client.pipeline(transaction=False)
+            for wid in members:
+                pipe.hgetall(self._keys.worker(wid))
+                pipe.hlen(self._keys.assigned(wid))
+            results = pipe.execute()
+        self.live, self.dead = {}, []
+        for wid, fields, num_assigned in zip(members, results[0::2], results[1::2]):
+            if not fields:
+                self.dead.append(wid)
+                continue
+            assert isinstance(fields, dict) and isinstance(num_assigned, int)
+            try:
+                heartbeat = Heartbeat.from_hash(fields)
+            except (ValidationError, ValueError) as exc:
+                # Neither live nor dead: a worker mid-upgrade may write a heartbeat we cannot read.
+                log.warning("unreadable heartbeat of worker %s: %s", wid, exc)
+                continue
+            self.live[wid] = LiveWorker(heartbeat, num_assigned)
+        self._load_reservations([wid for wid in self.live if not self.reservations.known(wid)])
+        for wid, worker in self.live.items():
+            self.reservations.release_through(wid, worker.heartbeat.inbox_last_id)
+        self.reservations.keep_only(set(self.live))
+
+    def _load_reservations(self, worker_ids: list[str]) -> None:
+        """Rebuild reservations of workers seen for the first time from their inboxes (a restart forgets)."""
+        if not worker_ids:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for wid in worker_ids:
+            pipe.xrange(self._keys.inbox(wid), f"({self.live[wid].heartbeat.inbox_last_id}", "+")
+        for wid, entries in zip(worker_ids, pipe.execute()):
+            self.reservations.track(wid)
+            for entry_id, fields in entries:
+                try:
+                    assignment = decode(Assignment, fields["data"])
+                except (KeyError, ValidationError):
+                    continue
+                self.reservations.add(wid, entry_id, assignment.reserved_blocks)
+
+    def record_assignment(self, worker_id: str, inbox_entry_id: str, blocks: int) -> None:
+        self.reservations.add(worker_id, inbox_entry_id, blocks)
+        if worker_id in self.live:
+            self.live[worker_id].num_assigned += 1
+
+    def rooms(self, watermark_blocks: int) -> list[WorkerRoom]:
+        """Admission's picture of every live worker: available = free - waiting - reserved - watermark."""
+        rooms = []
+        for wid, worker in self.live.items():
+            hb = worker.heartbeat
+            assert hb.block_size > 0, f"worker {wid} reports block_size {hb.block_size}"
+            rooms.append(
+                WorkerRoom(
+                    worker_id=wid,
+                    block_size=hb.block_size,
+                    available_blocks=hb.free_blocks
+                    - hb.waiting_blocks
+                    - self.reservations.reserved(wid)
+                    - watermark_blocks,
+                    capacity_blocks=hb.total_blocks - watermark_blocks,
+                    max_model_len=hb.max_model_len,
+                    num_assigned=worker.num_assigned,
+                    load=hb.num_running + hb.num_waiting,
+                )
+            )
+        return rooms

@@ -1,0 +1,883 @@
+"""The gateway against a real Redis: validation, admission, the token consumer, responses, SSE, gunicorn.
+
+No worker process runs here: where tokens are needed, the test publishes TokenEvents itself, or a
+thread plays the worker (it reads the request off the requests stream and answers it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import requests
+from flask import Flask
+from flask.testing import FlaskClient
+
+from gateway.app import create_app
+from gateway.errors import generation_failed
+from gateway.generation import Generation, GenerationTimeout, Prepared
+from gateway.output import SampleOutput
+from gateway.streaming import GenerationError
+from gateway.tokenization import Tokenizer, load_tokenizer
+from shared.keys import Keys
+from shared.protocol import (
+    AbortMessage,
+    GenerateRequest,
+    Heartbeat,
+    SamplingSpec,
+    SchedulerStats,
+    TokenEvent,
+    TokenLogprob,
+    decode,
+    encode,
+)
+from shared.settings import GatewaySettings
+
+REPO = Path(__file__).resolve().parents[1]
+TICK_S = 0.05
+
+# -- fixtures and helpers ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def keys(redis_prefix: str) -> Keys:
+    return Keys(redis_prefix)
+
+
+@pytest.fixture
+def tok(tiny_model_path: str) -> Tokenizer:
+    return load_tokenizer(tiny_model_path)
+
+
+@pytest.fixture
+def make_app(redis_url: str, redis_prefix: str, tiny_model_path: str) -> Callable[..., Flask]:
+    def make(**overrides: Any) -> Flask:
+        values: dict[str, Any] = {
+            "redis_url": redis_url,
+            "redis_prefix": redis_prefix,
+            "model": tiny_model_path,
+            "sse_heartbeat_s": TICK_S,
+            "request_timeout_s": 10.0,
+            **overrides,
+        }
+        return create_app(GatewaySettings.model_validate(values))
+
+    return make
+
+
+@pytest.fixture
+def client(make_app: Callable[..., Flask]) -> FlaskClient:
+    return make_app().test_client()
+
+
+def add_worker(r: redis.Redis, keys: Keys, wid: str = "w0", free: int = 30, total: int = 40) -> None:
+    now = time.time()
+    beat = Heartbeat(
+        worker_id=wid, model="tiny", free_blocks=free, total_blocks=total, block_size=16, num_running=3,
+        num_waiting=2, last_step_time=now, started_at=now, max_model_len=2048, prompt_tokens_total=120,
+        generation_tokens_total=45,
+    )
+    r.hset(keys.worker(wid), mapping=beat.to_hash())  # type: ignore[arg-type]
+    r.expire(keys.worker(wid), 60)
+    r.sadd(keys.workers, wid)
+
+
+@pytest.fixture
+def worker(r: redis.Redis, keys: Keys) -> None:
+    add_worker(r, keys)
+
+
+def emit(
+    r: redis.Redis,
+    keys: Keys,
+    rid: str,
+    index: int,
+    start: int,
+    token_ids: list[int],
+    finish: str | None = None,
+    *,
+    logprobs: list[TokenLogprob] | None = None,
+    record: bool = True,
+    error: str | None = None,
+) -> None:
+    """What a worker does after a step: record the tokens, note the end, publish the event."""
+    if record and token_ids:
+        r.rpush(keys.tokens(rid, index), *token_ids)
+    if record and finish is not None:
+        r.hset(keys.finished(rid), str(index), finish)
+    event = TokenEvent(
+        request_id=rid, index=index, start=start, token_ids=token_ids, logprobs=logprobs,
+        finish_reason=finish, num_prompt_tokens=3, worker_id="w0", error=error,
+    )
+    r.publish(keys.events(rid), encode(event))
+
+
+class FakeWorker(threading.Thread):
+    """Takes `count` requests off the requests stream and answers each with `respond(request)`: at once,
+    or (hold=True) only once all `count` are queued."""
+
+    def __init__(
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        respond: Callable[[GenerateRequest], None],
+        count: int = 1,
+        hold: bool = False,
+    ) -> None:
+        super().__init__(daemon=True)
+        self.r, self.keys, self.respond, self.count, self.hold = r, keys, respond, count, hold
+        self.requests: list[GenerateRequest] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            last = "0"
+            deadline = time.monotonic() + 20
+            while len(self.requests) < self.count and time.monotonic() < deadline:
+                reply: Any = self.r.xread({self.keys.requests: last}, block=200)
+                for _, entries in reply or []:
+                    for entry_id, fields in entries:
+                        last = entry_id
+                        self.requests.append(decode(GenerateRequest, fields["data"]))
+                        if not self.hold:
+                            self.respond(self.requests[-1])
+            if self.hold:
+                for request in self.requests:
+                    self.respond(request)
+        except BaseException as e:
+            self.error = e
+            raise
+
+
+def answer_with(r: redis.Redis, keys: Keys, token_ids: list[int], finish: str | None = "length", **kw: Any):
+    """A respond function: every sample gets token_ids one event per token, the last one ending it
+    with `finish` (None: the sample goes on, as far as the gateway knows)."""
+
+    def respond(request: GenerateRequest) -> None:
+        for i in request.sample_indices():
+            for pos, token in enumerate(token_ids):
+                last = pos == len(token_ids) - 1
+                emit(r, keys, request.request_id, i, pos, [token], finish if last else None, **kw)
+
+    return respond
+
+
+def queued(r: redis.Redis, keys: Keys) -> int:
+    return int(r.xlen(keys.requests))  # type: ignore[arg-type]
+
+
+def sse_events(body: str) -> list[str]:
+    return [block for block in body.split("\n\n") if block]
+
+
+def data_of(events: list[str]) -> list[Any]:
+    out = []
+    for e in events:
+        if e.startswith("data: ") and e != "data: [DONE]":
+            out.append(json.loads(e[len("data: ") :]))
+    return out
+
+
+def make_generation(
+    r: redis.Redis, keys: Keys, tok: Tokenizer, *, n: int = 1, stop: list[str] | None = None,
+    logprobs: bool = False, timeout_s: float = 5.0,
+) -> Generation:
+    request = GenerateRequest(
+        request_id=f"cmpl-{uuid.uuid4().hex}",
+        prompt_token_ids=tok.encode("Once upon a time"),
+        sampling=SamplingSpec(n=n, logprobs=0 if logprobs else None),
+        arrival_time=time.time(),
+    )
+    prepared = Prepared(request=request, stop=stop or [], want_logprobs=logprobs)
+    return Generation(
+        r, keys, tok, prepared, model_name="tiny", request_ttl_s=60, timeout_s=timeout_s, tick_s=TICK_S
+    )
+
+
+def next_change(updates: Iterator[list[SampleOutput]]) -> list[SampleOutput]:
+    for changed in updates:
+        if changed:
+            return changed
+    return []
+
+
+# -- the consumer: order, dedupe, gaps, stop strings, characters, samples -----------------------------------
+
+
+def test_duplicates_are_dropped_and_gaps_filled_from_the_record(r, keys, tok) -> None:
+    ids = tok.encode(" one two three four five six")
+    gen = make_generation(r, keys, tok)
+    rid = gen.request_id
+    r.rpush(keys.tokens(rid, 0), *ids)  # the record holds every token; some events never arrive
+    emit(r, keys, rid, 0, 0, ids[:2], record=False)
+    emit(r, keys, rid, 0, 0, ids[:3], record=False)  # a resumed sample re-sends from the start
+    emit(r, keys, rid, 0, 1, ids[1:2], record=False)  # a pure duplicate
+    emit(r, keys, rid, 0, 5, ids[5:], "length", record=False)  # tokens 3 and 4 were missed
+    list(gen.updates())
+    gen.close()
+    sample = gen.samples[0]
+    assert sample.text == " one two three four five six"
+    assert (sample.num_tokens, sample.finish_reason) == (len(ids), "length")
+    assert gen.aborted is None
+
+
+def test_tokens_missing_from_the_record_fail_the_request(r, keys, tok) -> None:
+    gen = make_generation(r, keys, tok)
+    emit(r, keys, gen.request_id, 0, 4, [11], record=False)
+    with pytest.raises(GenerationError, match="lost"):
+        list(gen.updates())
+    gen.close()
+    assert r.get(keys.abort_flag(gen.request_id)) == "error"
+
+
+def test_stop_string_across_events_is_caught_and_never_sent(r, keys, tok) -> None:
+    aborts = r.pubsub()
+    aborts.subscribe(keys.aborts)
+    pieces = [" Hello", " wor", "ld", ",", " and", " more"]
+    ids = [tok.encode(p)[0] for p in pieces]
+    gen = make_generation(r, keys, tok, stop=["lo world,"])
+    rid = gen.request_id
+    updates = gen.updates()
+    sent = []
+    for pos, token in enumerate(ids[:4]):
+        emit(r, keys, rid, 0, pos, [token])
+        for sample in next_change(updates):
+            sent.append(sample.take()[0])
+    assert gen.done
+    list(updates)
+    assert "".join(sent) == " Hel" and not any("lo" in s for s in sent)
+    sample = gen.samples[0]
+    assert (sample.text, sample.finish_reason, sample.num_tokens) == (" Hel", "stop", 4)
+    assert r.get(keys.abort_flag(rid)) == "stop"  # n = 1: the worker is stopped at once
+    ttl = r.ttl(keys.abort_flag(rid))
+    assert 0 < ttl <= 60  # type: ignore[operator]
+    deadline = time.monotonic() + 2
+    message = None
+    while message is None and time.monotonic() < deadline:
+        m = aborts.get_message(timeout=0.2)
+        message = m if m and m["type"] == "message" else None
+    assert message is not None
+    assert decode(AbortMessage, message["data"]) == AbortMessage(request_id=rid, reason="stop")
+    aborts.close()
+    gen.close()
+
+
+def test_multibyte_characters_split_across_tokens_are_never_split_in_the_text(r, keys, tok) -> None:
+    ids = tok.encode(" 日本 café")
+    assert any("\ufffd" in tok.token_text(t) for t in ids), "the test needs characters split across tokens"
+    gen = make_generation(r, keys, tok)
+    updates = gen.updates()
+    sent = []
+    for pos, token in enumerate(ids):
+        emit(r, keys, gen.request_id, 0, pos, [token], "length" if pos == len(ids) - 1 else None)
+        for sample in next_change(updates):
+            sent.append(sample.take()[0])
+    gen.close()
+    assert "".join(sent) == " 日本 café"
+    assert not any("\ufffd" in s for s in sent)
+
+
+def test_two_samples_interleaved_abort_only_once_both_end(r, keys, tok) -> None:
+    a = tok.encode(" red green blue")
+    b = tok.encode(" cat dog")
+    gen = make_generation(r, keys, tok, n=2, stop=[" green"])
+    rid = gen.request_id
+    updates = gen.updates()
+    emit(r, keys, rid, 1, 0, b[:1])
+    emit(r, keys, rid, 0, 0, a[:2])  # sample 0 reaches its stop string
+    while not gen.samples[0].finished:
+        next_change(updates)
+    assert not gen.done and r.get(keys.abort_flag(rid)) is None  # sample 1 still runs
+    emit(r, keys, rid, 0, 2, a[2:])  # the worker has not heard yet: ignored
+    emit(r, keys, rid, 1, 1, b[1:], "length")
+    list(updates)
+    gen.close()
+    s0, s1 = gen.samples
+    assert (s0.text, s0.finish_reason, s0.num_tokens) == (" red", "stop", 2)
+    assert (s1.text, s1.finish_reason, s1.num_tokens) == (" cat dog", "length", len(b))
+    assert gen.num_completion_tokens == 2 + len(b)
+    assert r.get(keys.abort_flag(rid)) == "stop"
+
+
+def test_samples_ended_by_the_worker_need_no_abort(r, keys, tok) -> None:
+    gen = make_generation(r, keys, tok, n=2)
+    emit(r, keys, gen.request_id, 0, 0, tok.encode(" yes"), "stop")
+    emit(r, keys, gen.request_id, 1, 0, tok.encode(" no"), "length")
+    list(gen.updates())
+    gen.close()
+    assert [s.finish_reason for s in gen.samples] == ["stop", "length"]
+    assert r.get(keys.abort_flag(gen.request_id)) is None
+
+
+def test_ends_recorded_without_their_last_event_are_recovered(r, keys, tok) -> None:
+    ids = tok.encode(" the end")
+    gen = make_generation(r, keys, tok)
+    emit(r, keys, gen.request_id, 0, 0, ids[:1])
+    # The worker recorded the rest and the end, then died before publishing.
+    r.rpush(keys.tokens(gen.request_id, 0), *ids[1:])
+    r.hset(keys.finished(gen.request_id), "0", "stop")
+    list(gen.updates())
+    gen.close()
+    assert (gen.samples[0].text, gen.samples[0].finish_reason) == (" the end", "stop")
+
+
+def test_an_error_event_fails_the_request(r, keys, tok) -> None:
+    gen = make_generation(r, keys, tok)
+    emit(r, keys, gen.request_id, 0, 0, [], "error", error="prompt of 9000 tokens reaches max_model_len 2048")
+    with pytest.raises(GenerationError) as info:
+        list(gen.updates())
+    gen.close()
+    assert generation_failed(str(info.value)).status == 400  # can never run: the client's problem
+    assert generation_failed("the engine failed while running this request").status == 500
+
+
+def test_a_request_past_its_timeout_is_aborted(r, keys, tok) -> None:
+    gen = make_generation(r, keys, tok, timeout_s=0.2)
+    with pytest.raises(GenerationTimeout):
+        list(gen.updates())
+    gen.close()
+    assert r.get(keys.abort_flag(gen.request_id)) == "timeout"
+
+
+# -- bad input: a 4xx in OpenAI's format, and nothing queued ------------------------------------------------
+
+LONG = " hi" * 2100  # more tokens than the tiny model's context of 2048
+CMPL = "/v1/completions"
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+BAD_BODIES = [
+    (CMPL, {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    (CMPL, {"prompt": "hi", "temperature": "0.5"}, "temperature"),
+    (CMPL, {"prompt": "hi", "stream": "yes"}, "stream"),
+    (CMPL, {"prompt": "hi", "bogus": 1}, "bogus"),
+    (CMPL, {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    (CMPL, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    (CMPL, {"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
+    (CMPL, {"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
+    (CMPL, {"prompt": "hi", "n": 0}, "n"),
+    (CMPL, {"prompt": "hi", "temperature": -1}, "temperature"),
+    (CMPL, {"prompt": "hi", "top_p": 0}, "top_p"),
+    (CMPL, {"prompt": "hi", "top_p": 2}, "top_p"),
+    (CMPL, {"prompt": "hi", "top_k": -2}, "top_k"),
+    (CMPL, {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    (CMPL, {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    (CMPL, {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    (CMPL, {"prompt": "hi", "seed": 2**64}, "seed"),
+    (CMPL, {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    (CMPL, {"prompt": "hi", "logprobs": -1}, "logprobs"),
+    (CMPL, {"prompt": "hi", "stop": [""]}, "stop"),
+    (CMPL, {"prompt": "hi", "stop": 5}, "stop"),
+    (CMPL, {"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
+    (CMPL, {"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    (CMPL, {"prompt": "hi", "stream_options": {"include_usage": True}}, None),
+    (CMPL, {"prompt": "hi", "echo": True, "logprobs": 1}, None),
+    (CMPL, {"prompt": ""}, "prompt"),
+    (CMPL, {"prompt": []}, "prompt"),
+    (CMPL, {"prompt": ["one", "two"]}, "prompt"),
+    (CMPL, {"prompt": [1, "a"]}, "prompt[1]"),
+    (CMPL, {"prompt": [-1]}, "prompt[0]"),
+    (CMPL, {"prompt": [10**9]}, "prompt"),
+    (CMPL, {"prompt": None}, "prompt"),
+    (CMPL, {"max_tokens": 5}, "prompt"),
+    (CMPL, {"prompt": LONG}, "prompt"),
+    (CMPL, {"prompt": " hi" * 2040, "max_tokens": 16}, "max_tokens"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {"max_tokens": 5}, "messages"),
+    (CHAT, {"messages": "hi"}, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages[0].extra"),
+    (CHAT, {"messages": USER, "logprobs": "yes"}, "logprobs"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, None),
+    (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT, {"messages": USER, "max_tokens": 10**9}, "max_tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+    (CHAT, {"messages": USER, "tools": []}, "tools"),
+]
+
+
+def assert_openai_error(response: Any, status: int, kind: str = "invalid_request_error") -> dict[str, Any]:
+    assert response.status_code == status, response.get_data(as_text=True)
+    error = response.get_json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == kind and error["message"]
+    return error
+
+
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize(("path", "body", "param"), BAD_BODIES)
+def test_bad_bodies_get_400_and_queue_nothing(client, r, keys, path, body, param) -> None:
+    error = assert_openai_error(client.post(path, json=body), 400)
+    if param is not None:
+        assert error["param"] == param
+    assert queued(r, keys) == 0
+
+
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize(
+    ("data", "content_type", "status"),
+    [
+        (b"{", "application/json", 400),
+        (b"[1, 2]", "application/json", 400),
+        (b'{"prompt": "x", "temperature": NaN}', "application/json", 400),
+        (b'{"prompt": "\xff"}', "application/json", 400),
+        (b'{"prompt": "x"}', "text/plain", 415),
+        (b"prompt=x", "application/x-www-form-urlencoded", 415),
+        (b"", None, 415),
+    ],
+)
+def test_malformed_bodies(client, r, keys, data, content_type, status) -> None:
+    headers = {"Content-Type": content_type} if content_type else {}
+    assert_openai_error(client.post(CMPL, data=data, headers=headers), status)
+    assert queued(r, keys) == 0
+
+
+@pytest.mark.usefixtures("worker")
+def test_body_too_large_is_413(make_app, r, keys) -> None:
+    client = make_app(max_body_bytes=1000).test_client()
+    assert_openai_error(client.post(CMPL, json={"prompt": "x" * 2000}), 413)
+    assert queued(r, keys) == 0
+
+
+def test_unknown_model_route_and_method(client) -> None:
+    unknown_model = client.post(CMPL, json={"prompt": "x", "model": "gpt-4"})
+    assert assert_openai_error(unknown_model, 404)["param"] == "model"
+    assert_openai_error(client.get("/v1/nothing"), 404, "not_found_error")
+    response = client.get(CMPL)
+    assert_openai_error(response, 405)
+    assert "POST" in response.headers["Allow"]
+    assert_openai_error(client.get("/v1/models/gpt-4"), 404)
+
+
+@pytest.mark.usefixtures("worker")
+def test_api_keys(make_app, r, keys) -> None:
+    client = make_app(api_keys="k1, k2").test_client()
+    for value in (None, "Bearer nope", "k1", "Basic k1", "Bearer k1k2"):
+        headers = {} if value is None else {"Authorization": value}
+        denied = client.post(CMPL, json={"prompt": "hi"}, headers=headers)
+        assert_openai_error(denied, 401, "authentication_error")
+        assert_openai_error(client.get("/v1/models", headers=headers), 401, "authentication_error")
+    assert client.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
+    for public in ("/health", "/ready", "/metrics", "/openapi.json"):
+        assert client.get(public).status_code == 200
+    assert queued(r, keys) == 0
+
+
+# -- admission ----------------------------------------------------------------------------------------------
+
+
+def test_no_live_worker_is_503_with_retry_after(client, r, keys) -> None:
+    response = client.post(CMPL, json={"prompt": "hi"})
+    assert_openai_error(response, 503, "server_error")
+    assert int(response.headers["Retry-After"]) >= 1
+    r.sadd(keys.workers, "gone")  # registered, but its heartbeat expired
+    assert_openai_error(client.post(CMPL, json={"prompt": "hi"}), 503, "server_error")
+    assert queued(r, keys) == 0
+
+
+@pytest.mark.usefixtures("worker")
+def test_full_queue_is_503_with_retry_after(make_app, r, keys) -> None:
+    client = make_app(max_queue_len=5).test_client()
+    stats = SchedulerStats(num_waiting=5, num_assigned=0, updated_at=time.time())
+    r.hset(keys.scheduler_stats, mapping=stats.to_hash())  # type: ignore[arg-type]
+    response = client.post(CHAT, json={"messages": USER})
+    assert assert_openai_error(response, 503, "server_error")["code"] == "overloaded"
+    assert "Retry-After" in response.headers
+    assert queued(r, keys) == 0
+
+
+# -- operations ---------------------------------------------------------------------------------------------
+
+
+def test_health_and_ready(client, r, keys) -> None:
+    assert client.get("/health").get_json() == {"status": "ok"}
+    assert client.get("/ready").status_code == 503
+    add_worker(r, keys)
+    ready = client.get("/ready")
+    assert ready.status_code == 200 and ready.get_json()["workers"] == 1
+
+
+def test_models(client) -> None:
+    listing = client.get("/v1/models").get_json()
+    assert listing["object"] == "list"
+    (card,) = listing["data"]
+    assert card["id"] == "SmolLM2-135M-Instruct" and card["owned_by"] == "pagedserve"
+    assert card["max_model_len"] == 2048
+    assert client.get("/v1/models/SmolLM2-135M-Instruct").get_json()["id"] == card["id"]
+
+
+def test_tokenize_and_detokenize(client, tok) -> None:
+    text = "The capital of France is Paris. 日本"
+    tokens = client.post("/tokenize", json={"prompt": text}).get_json()
+    assert tokens["tokens"] == tok.encode(text) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 2048
+    assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).get_json() == {"prompt": text}
+    chat = client.post("/tokenize", json={"messages": USER}).get_json()
+    assert chat["tokens"] == tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert_openai_error(client.post("/detokenize", json={"tokens": [10**9]}), 400)
+    assert_openai_error(client.post("/detokenize", json={"tokens": "abc"}), 400)
+    assert_openai_error(client.post("/tokenize", json={"prompt": ""}), 400)
+    assert_openai_error(client.post("/tokenize", json={"messages": []}), 400)
+
+
+def test_openapi_describes_every_route(client) -> None:
+    app_paths = {
+        rule.rule.replace("<path:", "{").replace(">", "}")
+        for rule in client.application.url_map.iter_rules()
+        if rule.endpoint != "static"
+    }
+    document = client.get("/openapi.json").get_json()
+    assert document["openapi"].startswith("3.")
+    assert set(document["paths"]) == app_paths
+    schemas = document["components"]["schemas"]
+    assert {"CompletionRequest", "ChatCompletionRequest", "DetokenizeRequest", "Error"} <= set(schemas)
+    assert "top_logprobs" in schemas["ChatCompletionRequest"]["properties"]
+
+
+def test_metrics_use_vllm_names(client, r, keys) -> None:
+    add_worker(r, keys, "w0", free=30, total=40)
+    text = client.get("/metrics").get_data(as_text=True)
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+    ):
+        assert f"# TYPE {name.removesuffix('_total')}" in text, name
+    assert 'vllm:kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct",worker="w0"} 0.25' in text
+    assert 'vllm:generation_tokens_total{model_name="SmolLM2-135M-Instruct",worker="w0"} 45.0' in text
+
+
+# -- whole requests, with a thread playing the worker -------------------------------------------------------
+
+
+@pytest.mark.usefixtures("worker")
+def test_completion(client, r, keys, tok) -> None:
+    ids = tok.encode(" Paris is lovely.")
+    fake = FakeWorker(r, keys, answer_with(r, keys, ids))
+    fake.start()
+    body = {
+        "prompt": "The capital of France is", "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+        "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+        "seed": 7, "stop_token_ids": [2], "ignore_eos": True, "min_tokens": 1, "priority": -3, "user": "u",
+        "model": "SmolLM2-135M-Instruct",
+    }
+    response = client.post(CMPL, json=body)
+    fake.join()
+    assert response.status_code == 200, response.get_json()
+    out = response.get_json()
+    (request,) = fake.requests
+    assert request.request_id.startswith("cmpl-") and out["id"] == request.request_id
+    assert request.prompt_token_ids == tok.encode("The capital of France is")
+    assert request.priority == -3
+    assert request.sampling == SamplingSpec(
+        n=1, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.2, seed=7, max_tokens=20, min_tokens=1, stop_token_ids=[2], ignore_eos=True,
+    )
+    assert out["object"] == "text_completion" and out["model"] == "SmolLM2-135M-Instruct"
+    choice = {"index": 0, "text": " Paris is lovely.", "logprobs": None, "finish_reason": "length"}
+    assert out["choices"] == [choice]
+    n_prompt, n_out = len(request.prompt_token_ids), len(ids)
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    assert out["usage"] == usage
+
+
+@pytest.mark.usefixtures("worker")
+def test_defaults_and_echo(client, r, keys, tok) -> None:
+    fake = FakeWorker(r, keys, answer_with(r, keys, tok.encode(" there")), count=2)
+    fake.start()
+    first = client.post(CMPL, json={"prompt": "Hello", "echo": True})
+    second = client.post(CHAT, json={"messages": USER})
+    fake.join()
+    completion, chat = fake.requests
+    assert completion.sampling.max_tokens == 16 and completion.sampling.temperature == 1.0
+    assert chat.sampling.max_tokens == 2048 - len(chat.prompt_token_ids)
+    assert first.get_json()["choices"][0]["text"] == "Hello there"
+    assert second.get_json()["choices"][0]["message"] == {"role": "assistant", "content": " there"}
+
+
+def top(token_id: int, lp: float, *alternatives: tuple[int, float]) -> TokenLogprob:
+    return TokenLogprob(token_id=token_id, logprob=lp, top=dict(alternatives))
+
+
+@pytest.mark.usefixtures("worker")
+def test_logprobs(client, r, keys, tok) -> None:
+    ids = tok.encode(" Paris 日")
+    alt = tok.encode(" London")[0]
+
+    def respond(request: GenerateRequest) -> None:
+        lps = [top(t, -0.25 * (k + 1), (t, -0.25 * (k + 1)), (alt, -3.0)) for k, t in enumerate(ids)]
+        emit(r, keys, request.request_id, 0, 0, ids, "length", logprobs=lps)
+
+    fake = FakeWorker(r, keys, respond, count=2)
+    fake.start()
+    completion = client.post(CMPL, json={"prompt": "x", "logprobs": 2}).get_json()
+    chat = client.post(CHAT, json={"messages": USER, "logprobs": True, "top_logprobs": 2}).get_json()
+    fake.join()
+    assert [q.sampling.logprobs for q in fake.requests] == [2, 2]
+    lp = completion["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]).startswith(" Paris")
+    assert lp["token_logprobs"] == [-0.25 * (k + 1) for k in range(len(ids))]
+    assert list(lp["top_logprobs"][0].items()) == [(" Paris", -0.25), (" London", -3.0)]
+    assert lp["text_offset"][:2] == [0, len(" Paris")]
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(ids)
+    assert content[0] == {
+        "token": " Paris", "logprob": -0.25, "bytes": list(b" Paris"),
+        "top_logprobs": [
+            {"token": " Paris", "logprob": -0.25, "bytes": list(b" Paris")},
+            {"token": " London", "logprob": -3.0, "bytes": list(b" London")},
+        ],
+    }
+    # 日 spans tokens: their bytes add up to the character's UTF-8 encoding.
+    assert bytes(b for c in content[1:] for b in c["bytes"]) == " 日".encode()
+
+
+@pytest.mark.usefixtures("worker")
+def test_chat_two_samples_stop_strings_and_usage(client, r, keys, tok) -> None:
+    ids = tok.encode(" one, two, three, four")
+    fake = FakeWorker(r, keys, answer_with(r, keys, ids, finish=None))
+    fake.start()
+    out = client.post(CHAT, json={"messages": USER, "n": 2, "stop": ", three", "max_tokens": 10}).get_json()
+    fake.join()
+    assert out["object"] == "chat.completion"
+    assert [c["message"]["content"] for c in out["choices"]] == [" one, two", " one, two"]
+    assert [c["finish_reason"] for c in out["choices"]] == ["stop", "stop"]
+    (request,) = fake.requests
+    assert request.prompt_token_ids == tok.encode_chat([{"role": "user", "content": "hi"}])
+    used = out["usage"]["completion_tokens"]
+    assert used == 2 * len(tok.encode(" one, two, three"))  # up to the token completing the stop string
+    assert r.get(keys.abort_flag(request.request_id)) == "stop"  # both ended here: the worker is stopped
+
+
+@pytest.mark.usefixtures("worker")
+def test_an_error_from_the_worker(client, r, keys) -> None:
+    def respond(request: GenerateRequest) -> None:
+        emit(r, keys, request.request_id, 0, 0, [], "error", error="the engine failed while running it")
+
+    fake = FakeWorker(r, keys, respond)
+    fake.start()
+    response = client.post(CMPL, json={"prompt": "hi"})
+    fake.join()
+    assert_openai_error(response, 500, "server_error")
+
+
+# -- streaming ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("worker")
+def test_chat_stream(client, r, keys, tok) -> None:
+    ids = tok.encode(" Hi there, friend")
+    fake = FakeWorker(r, keys, answer_with(r, keys, ids, finish="stop"))
+    fake.start()
+    body = {"messages": USER, "stream": True, "stream_options": {"include_usage": True}, "n": 2}
+    response = client.post(CHAT, json=body)
+    text = response.get_data(as_text=True)
+    fake.join()
+    assert response.mimetype == "text/event-stream"
+    events = sse_events(text)
+    assert events[-1] == "data: [DONE]"
+    chunks = data_of(events)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in mine) == " Hi there, friend"
+        assert [c["finish_reason"] for c in mine][-1] == "stop"
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2 * len(ids)
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+@pytest.mark.usefixtures("worker")
+def test_completion_stream_with_keep_alive_and_stop_string(client, r, keys, tok) -> None:
+    ids = tok.encode(" alpha beta gamma delta")
+
+    def respond(request: GenerateRequest) -> None:
+        time.sleep(4 * TICK_S)  # nothing for a while: the stream sends keep-alive comments
+        answer_with(r, keys, ids)(request)
+
+    fake = FakeWorker(r, keys, respond)
+    fake.start()
+    response = client.post(CMPL, json={"prompt": "x", "stream": True, "stop": ["a gam"]})
+    events = sse_events(response.get_data(as_text=True))
+    fake.join()
+    assert ": keep-alive" in events
+    assert events[-1] == "data: [DONE]"
+    chunks = data_of(events)
+    assert all("usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " alpha bet"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.usefixtures("worker")
+def test_stream_error_event(client, r, keys) -> None:
+    def respond(request: GenerateRequest) -> None:
+        emit(r, keys, request.request_id, 0, 0, [], "error", error="1000 tokens do not fit in the KV pool")
+
+    fake = FakeWorker(r, keys, respond)
+    fake.start()
+    events = sse_events(client.post(CMPL, json={"prompt": "x", "stream": True}).get_data(as_text=True))
+    fake.join()
+    assert events[-1] == "data: [DONE]"
+    (error,) = data_of(events)
+    assert error["error"]["type"] == "invalid_request_error" and "fit" in error["error"]["message"]
+
+
+@pytest.mark.usefixtures("worker")
+def test_client_disconnect_aborts_the_request(client, r, keys, tok) -> None:
+    aborts = r.pubsub()
+    aborts.subscribe(keys.aborts)
+    response = client.post(CHAT, json={"messages": USER, "stream": True}, buffered=False)
+    body = iter(response.response)
+    assert b'"role":"assistant"' in next(body)  # the stream is open; no token will ever come
+    (entry,) = r.xrange(keys.requests)  # type: ignore[misc]
+    rid = decode(GenerateRequest, entry[1]["data"]).request_id
+    response.close()  # the client goes away
+    assert r.get(keys.abort_flag(rid)) == "client_disconnect"
+    messages = [aborts.get_message(timeout=1) for _ in range(2)]
+    abort = [decode(AbortMessage, m["data"]) for m in messages if m and m["type"] == "message"]
+    assert abort == [AbortMessage(request_id=rid, reason="client_disconnect")]
+    aborts.close()
+
+
+# -- under gunicorn, with gevent workers --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def gunicorn_url(redis_url, redis_prefix, tiny_model_path, tmp_path) -> Iterator[str]:
+    port = _free_port()
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "REDIS_PREFIX": redis_prefix,
+        "MODEL": tiny_model_path,
+        "PORT": str(port),
+        "GATEWAY_WORKERS": "1",
+        "SSE_HEARTBEAT_S": "0.1",
+        "LOG_LEVEL": "WARNING",
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"),
+    }
+    log = (tmp_path / "gunicorn.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "gunicorn.log").read_text()
+            try:
+                if requests.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:  # not listening yet, or its worker still loading
+                pass
+            assert time.monotonic() < deadline, "gunicorn did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()  # exec'd: this is gunicorn's master, which stops its workers gracefully
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_gunicorn_gevent_worker_holds_many_streams_at_once(gunicorn_url, r, keys, tok) -> None:
+    add_worker(r, keys)
+    ids = tok.encode(" in parallel")
+    count = 4
+    # The fake worker answers nothing until all requests are queued: they all wait at once, on one
+    # gunicorn worker process, each blocked on its Redis subscription.
+    fake = FakeWorker(r, keys, answer_with(r, keys, ids), count=count, hold=True)
+    fake.start()
+    bodies: list[str] = []
+
+    def stream() -> None:
+        body = {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
+        with requests.post(f"{gunicorn_url}/v1/completions", json=body, stream=True, timeout=30) as response:
+            bodies.append(response.text)
+
+    clients = [threading.Thread(target=stream) for _ in range(count)]
+    for t in clients:
+        t.start()
+    while len(fake.requests) < count and fake.is_alive():
+        started = time.monotonic()
+        assert requests.get(f"{gunicorn_url}/health", timeout=5).status_code == 200
+        assert time.monotonic() - started < 1.0  # the waiting streams do not block the process
+        time.sleep(0.05)
+    for t in clients:
+        t.join(timeout=30)
+    fake.join()
+    assert fake.error is None and len(bodies) == count
+    for body in bodies:
+        chunks = data_of(sse_events(body))
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " in parallel"
+        assert body.endswith("data: [DONE]\n\n")
+    metrics = requests.get(f"{gunicorn_url}/metrics", timeout=5).text
+    # Counted in the worker process's multiprocess files, summed by the scrape.
+    expected = f'vllm:e2e_request_latency_seconds_count{{model_name="SmolLM2-135M-Instruct"}} {count}.0'
+    assert expected in metrics
+
+
+def test_gunicorn_notices_a_client_that_hangs_up(gunicorn_url, r, keys) -> None:
+    add_worker(r, keys)
+    host, port = gunicorn_url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "x", "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert b"200 OK" in conn.recv(4096)
+        deadline = time.monotonic() + 5
+        while not r.xlen(keys.requests):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    (entry,) = r.xrange(keys.requests)  # type: ignore[misc]
+    rid = decode(GenerateRequest, entry[1]["data"]).request_id
+    deadline = time.monotonic() + 5
+    while r.get(keys.abort_flag(rid)) is None:
+        assert time.monotonic() < deadline, "the hang-up went unnoticed"
+        time.sleep(0.05)
+    assert r.get(keys.abort_flag(rid)) == "client_disconnect"
+
+
+def test_launcher_help_lists_every_setting() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # argparse wraps lines anywhere
+    for name in GatewaySettings.model_fields:
+        assert f"env {name.upper()}," in text, name

@@ -1,0 +1,485 @@
+"""The scheduler service against a real Redis: the tests play the gateway and the workers."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.admission import Admit, WorkerRoom, plan_admissions
+from scheduler_svc.failover import resume_request
+from scheduler_svc.queue import QueuedRequest, WaitingQueue
+from scheduler_svc.service import SchedulerService
+from shared.keys import SCHEDULER_GROUP, Keys
+from shared.protocol import (
+    Assignment,
+    GenerateRequest,
+    Heartbeat,
+    SamplingSpec,
+    SchedulerStats,
+    TokenEvent,
+    decode,
+    encode,
+)
+from shared.settings import SchedulerSettings
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 16
+_arrival = itertools.count(1)
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def keys(redis_prefix: str) -> Keys:
+    return Keys(redis_prefix)
+
+
+def make_settings(redis_url: str, prefix: str, **overrides: Any) -> SchedulerSettings:
+    return SchedulerSettings(redis_url=redis_url, redis_prefix=prefix, watermark_blocks=2, **overrides)
+
+
+def make_service(
+    redis_url: str, prefix: str, consumer: str = "sched-a", **overrides: Any
+) -> SchedulerService:
+    return SchedulerService(make_settings(redis_url, prefix, **overrides), consumer=consumer)
+
+
+def make_request(
+    rid: str, num_blocks: int = 1, priority: int = 0, n: int = 1, arrival_time: float | None = None
+) -> GenerateRequest:
+    """A request whose prompt fills `num_blocks` blocks exactly."""
+    return GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=list(range(num_blocks * BLOCK_SIZE)),
+        sampling=SamplingSpec(n=n, max_tokens=8),
+        priority=priority,
+        arrival_time=next(_arrival) if arrival_time is None else arrival_time,
+    )
+
+
+def submit(client: redis.Redis, keys: Keys, request: GenerateRequest) -> str:
+    """What the gateway does."""
+    return str(client.xadd(keys.requests, {"data": encode(request)}))
+
+
+def heartbeat(
+    client: redis.Redis,
+    keys: Keys,
+    wid: str,
+    free: int = 100,
+    total: int = 100,
+    inbox_last_id: str = "0-0",
+    num_running: int = 0,
+    waiting_blocks: int = 0,
+    max_model_len: int = 4096,
+) -> None:
+    """What a worker does every heartbeat interval (a TTL long enough to outlive the test)."""
+    hb = Heartbeat(
+        worker_id=wid,
+        model="tiny",
+        free_blocks=free,
+        total_blocks=total,
+        block_size=BLOCK_SIZE,
+        num_running=num_running,
+        num_waiting=0,
+        waiting_blocks=waiting_blocks,
+        inbox_last_id=inbox_last_id,
+        last_step_time=time.time(),
+        started_at=time.time(),
+        max_model_len=max_model_len,
+    )
+    pipe = client.pipeline()
+    pipe.hset(keys.worker(wid), mapping=hb.to_hash())  # type: ignore[arg-type]
+    pipe.expire(keys.worker(wid), 60)
+    pipe.sadd(keys.workers, wid)
+    pipe.execute()
+
+
+def inbox(client: redis.Redis, keys: Keys, wid: str) -> list[tuple[str, Assignment]]:
+    entries = cast(list[tuple[str, dict[str, str]]], client.xrange(keys.inbox(wid)))
+    return [(entry_id, decode(Assignment, fields["data"])) for entry_id, fields in entries]
+
+
+def inbox_rids(client: redis.Redis, keys: Keys, wid: str) -> list[str]:
+    return [a.request.request_id for _, a in inbox(client, keys, wid)]
+
+
+def num_pending(client: redis.Redis, keys: Keys) -> int:
+    return int(client.xpending(keys.requests, SCHEDULER_GROUP)["pending"])
+
+
+def test_priority_then_arrival_order(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    submit(client, keys, make_request("late-low", priority=1, arrival_time=1.0))
+    submit(client, keys, make_request("later-high", priority=0, arrival_time=3.0))
+    submit(client, keys, make_request("early-high", priority=0, arrival_time=2.0))
+    svc.step()  # no worker yet: everything waits
+    assert len(svc.queue) == 3 and num_pending(client, keys) == 3
+    heartbeat(client, keys, "w1")
+    svc.step()
+    assert inbox_rids(client, keys, "w1") == ["early-high", "later-high", "late-low"]
+
+
+def test_head_of_line_is_not_skipped(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    heartbeat(client, keys, "w1", free=6, total=20)  # 4 available above the watermark
+    submit(client, keys, make_request("big", num_blocks=5, priority=0))
+    submit(client, keys, make_request("small", num_blocks=1, priority=1))
+    svc.step()
+    assert inbox_rids(client, keys, "w1") == []
+    heartbeat(client, keys, "w1", free=7, total=20)  # 5 available: the head goes, the next still waits
+    svc.step()
+    assert inbox_rids(client, keys, "w1") == ["big"]
+    assert [e.request.request_id for e in svc.queue] == ["small"]
+
+
+def test_admission_counts_reservations_waiting_blocks_and_watermark(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    heartbeat(client, keys, "w1", free=10, total=10)  # 10 - watermark 2 = 8 available
+    for rid in "abc":
+        submit(client, keys, make_request(rid, num_blocks=3))
+    svc.step()
+    entries = inbox(client, keys, "w1")
+    assert [a.request.request_id for _, a in entries] == ["a", "b"]
+    assert [a.reserved_blocks for _, a in entries] == [3, 3]
+    assert svc.view.reservations.reserved("w1") == 6
+    svc.step()  # same heartbeat: both still reserved, so c still waits
+    assert inbox_rids(client, keys, "w1") == ["a", "b"] and len(svc.queue) == 1
+
+    # The worker took in "a" only: "b" stays reserved on top of what free_blocks says.
+    heartbeat(client, keys, "w1", free=7, total=10, inbox_last_id=entries[0][0])
+    svc.step()
+    assert svc.view.reservations.reserved("w1") == 3 and len(svc.queue) == 1
+    # Both taken in but still queued inside the worker: waiting_blocks keeps them counted.
+    heartbeat(client, keys, "w1", free=10, total=10, inbox_last_id=entries[1][0], waiting_blocks=6)
+    svc.step()
+    assert svc.view.reservations.reserved("w1") == 0 and len(svc.queue) == 1
+    heartbeat(client, keys, "w1", free=10, total=10, inbox_last_id=entries[1][0], waiting_blocks=5)
+    svc.step()
+    assert inbox_rids(client, keys, "w1") == ["a", "b", "c"] and len(svc.queue) == 0
+
+
+def test_reservations_rebuilt_from_inbox_after_restart(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    heartbeat(client, keys, "w1", free=10, total=10)
+    svc = make_service(redis_url, redis_prefix)
+    submit(client, keys, make_request("a", num_blocks=3))
+    submit(client, keys, make_request("b", num_blocks=2))
+    svc.step()
+    first_id = inbox(client, keys, "w1")[0][0]
+    heartbeat(client, keys, "w1", free=7, total=10, inbox_last_id=first_id)
+    restarted = make_service(redis_url, redis_prefix, consumer="sched-b")
+    restarted.step()
+    assert restarted.view.reservations.reserved("w1") == 2
+
+
+def test_least_loaded_routing_spreads_requests(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    heartbeat(client, keys, "w1", num_running=3)
+    heartbeat(client, keys, "w2")
+    for i in range(6):
+        submit(client, keys, make_request(f"r{i}", num_blocks=2))
+    svc.step()
+    # Equal free blocks: the first goes to the worker running fewer sequences, then they alternate.
+    assert inbox_rids(client, keys, "w2") == ["r0", "r2", "r4"]
+    assert inbox_rids(client, keys, "w1") == ["r1", "r3", "r5"]
+    assert client.hlen(keys.assigned("w1")) == 3 and client.hlen(keys.assigned("w2")) == 3
+
+
+def test_max_running_per_worker(redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys) -> None:
+    svc = make_service(redis_url, redis_prefix, max_running_per_worker=1)
+    heartbeat(client, keys, "w1")
+    submit(client, keys, make_request("a"))
+    submit(client, keys, make_request("b"))
+    svc.step()
+    svc.step()
+    assert inbox_rids(client, keys, "w1") == ["a"]
+    client.hdel(keys.assigned("w1"), "a")  # the worker finished "a"
+    svc.step()
+    assert inbox_rids(client, keys, "w1") == ["a", "b"]
+
+
+def test_restart_same_consumer_rereads_pending(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    first = make_service(redis_url, redis_prefix)
+    for rid in "abc":
+        submit(client, keys, make_request(rid))
+    first.step()
+    assert len(first.queue) == 3 and num_pending(client, keys) == 3  # read, not acked: no worker yet
+    del first  # killed
+
+    restarted = make_service(redis_url, redis_prefix)
+    heartbeat(client, keys, "w1")
+    restarted.step()
+    assert inbox_rids(client, keys, "w1") == ["a", "b", "c"]
+    assert num_pending(client, keys) == 0 and client.xlen(keys.requests) == 0
+    restarted.step()
+    assert inbox_rids(client, keys, "w1") == ["a", "b", "c"]
+
+
+def test_new_consumer_claims_a_dead_schedulers_entries_only(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    first = make_service(redis_url, redis_prefix, consumer="sched-a", claim_idle_s=0.3)
+    second = make_service(redis_url, redis_prefix, consumer="sched-b", claim_idle_s=0.3)
+    for rid in "abc":
+        submit(client, keys, make_request(rid))
+    first.step()
+    deadline = time.monotonic() + 0.8
+    while time.monotonic() < deadline:  # both alive: the waiting entries stay with the first
+        first.step()
+        second.step()
+        time.sleep(0.02)
+    assert len(first.queue) == 3 and len(second.queue) == 0
+
+    del first  # killed: its entries go idle and the second claims them
+    deadline = time.monotonic() + 3
+    while len(second.queue) < 3 and time.monotonic() < deadline:
+        second.step()
+        time.sleep(0.02)
+    assert len(second.queue) == 3
+    heartbeat(client, keys, "w1")
+    second.step()
+    assert inbox_rids(client, keys, "w1") == ["a", "b", "c"]
+    assert num_pending(client, keys) == 0
+
+
+def test_dead_worker_requests_resume_elsewhere(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    heartbeat(client, keys, "w1")
+    requests = {
+        "multi": make_request("multi", n=3, priority=2, arrival_time=5.0),
+        "single": make_request("single", arrival_time=6.0),
+        "done": make_request("done", arrival_time=7.0),
+        "aborted": make_request("aborted", arrival_time=8.0),
+    }
+    for request in requests.values():
+        submit(client, keys, request)
+    svc.step()
+    assert sorted(inbox_rids(client, keys, "w1")) == sorted(requests)
+
+    # The worker streamed some tokens, finished a few samples, then died (its heartbeat expired).
+    client.rpush(keys.tokens("multi", 0), 5, 6, 7)
+    client.rpush(keys.tokens("multi", 1), 8)
+    client.hset(keys.finished("multi"), "1", "stop")
+    client.rpush(keys.tokens("single", 0), 9)
+    client.rpush(keys.tokens("done", 0), 1, 2)
+    client.hset(keys.finished("done"), "0", "length")
+    client.set(keys.abort_flag("aborted"), 1)
+    client.delete(keys.worker("w1"))
+    heartbeat(client, keys, "w2")
+
+    svc.step()  # sweeps w1: re-queues through the requests stream
+    assert not client.exists(keys.inbox("w1"), keys.assigned("w1"))
+    assert not client.sismember(keys.workers, "w1")
+    svc.step()  # the re-queued requests take the normal path
+    resumed = {a.request.request_id: a for _, a in inbox(client, keys, "w2")}
+    assert sorted(resumed) == ["multi", "single"]
+    multi = resumed["multi"].request
+    assert multi.samples == [0, 2] and multi.resume == {0: [5, 6, 7]}
+    assert (multi.priority, multi.arrival_time) == (2, 5.0)
+    single = resumed["single"].request
+    assert single.samples == [0] and single.resume == {0: [9]}
+    # The prompt plus the resumed token: 16 + 1 tokens take two blocks.
+    assert resumed["single"].reserved_blocks == 2
+    assert num_pending(client, keys) == 0
+
+
+def test_sweep_waits_for_the_lock_and_spares_a_worker_that_came_back(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    heartbeat(client, keys, "w1")
+    submit(client, keys, make_request("a"))
+    svc.step()
+    client.delete(keys.worker("w1"))
+    client.set(keys.scheduler_lock, "another-scheduler", px=10_000)
+    svc.step()  # another scheduler is sweeping: leave it be
+    assert client.sismember(keys.workers, "w1") and client.hlen(keys.assigned("w1")) == 1
+    client.delete(keys.scheduler_lock)
+    heartbeat(client, keys, "w1")  # it was only slow
+    assert svc.failover.sweep(["w1"]) == []
+    assert client.hlen(keys.assigned("w1")) == 1 and client.xlen(keys.inbox("w1")) == 1
+    client.delete(keys.worker("w1"))
+    svc.step()
+    assert not client.sismember(keys.workers, "w1") and not client.exists(keys.scheduler_lock)
+    svc.step()
+    assert [e.request.request_id for e in svc.queue] == ["a"]
+
+
+def test_resume_request_keeps_the_longest_record() -> None:
+    request = make_request("r", n=2).model_copy(update={"samples": [0, 1], "resume": {0: [1, 2, 3]}})
+    assert resume_request(request, {"0": "stop", "1": "length"}, {}) is None
+    resumed = resume_request(request, {}, {0: [1], 1: [4, 5]})
+    assert resumed is not None
+    assert resumed.samples == [0, 1] and resumed.resume == {0: [1, 2, 3], 1: [4, 5]}
+
+
+def test_never_fits_gets_error_events(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    heartbeat(client, keys, "w1", free=3, total=10)
+    heartbeat(client, keys, "w2", free=3, total=4, max_model_len=64)
+    pubsub = client.pubsub()
+    pubsub.subscribe(keys.events("huge"), keys.events("long"))
+    for _ in range(2):
+        message = pubsub.get_message(timeout=1)
+        assert message is not None and message["type"] == "subscribe"
+    # The head waits for blocks; the hopeless requests behind it are answered at once anyway.
+    submit(client, keys, make_request("head", num_blocks=3))
+    submit(client, keys, make_request("huge", num_blocks=9, n=2, priority=1))  # more than 10 - 2
+    svc.step()
+    heartbeat(client, keys, "w1", free=3, total=10, max_model_len=64)
+    submit(client, keys, make_request("long", num_blocks=4, priority=1))  # 64 tokens >= every max_model_len
+    svc.step()
+
+    events: list[TokenEvent] = []
+    deadline = time.monotonic() + 5
+    while len(events) < 3 and time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.1)
+        if message and message["type"] == "message":
+            events.append(decode(TokenEvent, message["data"]))
+    pubsub.close()
+    got = sorted((e.request_id, e.index, e.finish_reason, e.worker_id, e.start) for e in events)
+    assert got == [
+        ("huge", 0, "error", "scheduler", 0),
+        ("huge", 1, "error", "scheduler", 0),
+        ("long", 0, "error", "scheduler", 0),
+    ]
+    assert all(e.error and e.num_prompt_tokens > 0 for e in events)
+    assert "KV blocks" in next(e.error or "" for e in events if e.request_id == "huge")
+    assert "max_model_len" in next(e.error or "" for e in events if e.request_id == "long")
+    assert [e.request.request_id for e in svc.queue] == ["head"]
+    assert num_pending(client, keys) == 1 and inbox_rids(client, keys, "w1") == []
+
+
+def test_aborted_request_is_dropped(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    heartbeat(client, keys, "w1")
+    client.set(keys.abort_flag("gone"), 1)
+    submit(client, keys, make_request("gone"))
+    submit(client, keys, make_request("kept"))
+    svc.step()
+    assert inbox_rids(client, keys, "w1") == ["kept"]
+    assert len(svc.queue) == 0 and num_pending(client, keys) == 0 and client.xlen(keys.requests) == 0
+
+
+def test_unreadable_entry_is_dropped(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    client.xadd(keys.requests, {"data": "not json"})
+    svc.step()
+    assert len(svc.queue) == 0 and num_pending(client, keys) == 0
+
+
+def test_stats_hash(redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    submit(client, keys, make_request("a"))
+    submit(client, keys, make_request("b"))
+    svc.step()
+    stats = SchedulerStats.from_hash(client.hgetall(keys.scheduler_stats))  # type: ignore[arg-type]
+    assert (stats.num_waiting, stats.num_assigned) == (2, 0)
+    assert 0 < client.pttl(keys.scheduler_stats) <= 5000
+    heartbeat(client, keys, "w1")
+    svc.step()
+    stats = SchedulerStats.from_hash(client.hgetall(keys.scheduler_stats))  # type: ignore[arg-type]
+    assert (stats.num_waiting, stats.num_assigned) == (0, 2)
+
+
+def _room(wid: str, available: int, capacity: int = 64) -> WorkerRoom:
+    return WorkerRoom(wid, BLOCK_SIZE, available, capacity, 1 << 20, num_assigned=0, load=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 8), max_size=12),
+    available=st.lists(st.integers(-2, 30), min_size=1, max_size=3),
+)
+def test_plan_never_overcommits_and_admits_a_prefix(sizes: list[int], available: list[int]) -> None:
+    queue = WaitingQueue()
+    for i, size in enumerate(sizes):
+        queue.push(QueuedRequest(f"1-{i}", make_request(f"r{i}", num_blocks=size, arrival_time=float(i))))
+    rooms = [_room(f"w{j}", a) for j, a in enumerate(available)]
+    decisions = plan_admissions(queue, rooms, max_running=256)
+    assert [d.entry.request.request_id for d in decisions] == [f"r{i}" for i in range(len(decisions))]
+    assert all(isinstance(d, Admit) for d in decisions)
+    for j, a in enumerate(available):
+        used = sum(d.reserved_blocks for d in decisions if isinstance(d, Admit) and d.worker_id == f"w{j}")
+        assert used <= max(a, 0)
+    if len(decisions) < len(sizes):  # the next one fits nowhere in what is left
+        assert all(sizes[len(decisions)] > room.available_blocks for room in rooms)
+
+
+def test_help_lists_environment_names() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "scheduler_svc", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for name in ("REDIS_URL", "REDIS_PREFIX", "WATERMARK_BLOCKS", "POLL_INTERVAL_S", "CLAIM_IDLE_S"):
+        assert name in out
+
+
+def test_service_process_assigns_and_stops_on_sigterm(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    env = {**os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": redis_prefix, "POLL_INTERVAL_S": "0.02"}
+    heartbeat(client, keys, "w1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scheduler_svc"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        submit(client, keys, make_request("over-the-wire"))
+        deadline = time.monotonic() + 15
+        while not inbox_rids(client, keys, "w1") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert inbox_rids(client, keys, "w1") == ["over-the-wire"]
+        assert client.exists(keys.scheduler_stats)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output
+    assert "stopped" in output

@@ -1,0 +1,167 @@
+"""The worker service on a real Redis: inbox in, token events and records out, aborts, failover resume."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from gpu_worker import LLM, SamplingParams
+from gpu_worker.service import WorkerService
+from shared.keys import Keys
+from shared.protocol import (
+    AbortMessage,
+    Assignment,
+    GenerateRequest,
+    Heartbeat,
+    SamplingSpec,
+    TokenEvent,
+    decode,
+    encode,
+)
+from shared.settings import WorkerSettings
+
+PROMPT = [5, 17, 230, 4000, 77, 12, 9, 301, 45, 46, 47, 48, 1000, 2000, 3000, 4000, 5000, 6000]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_path: str) -> LLM:
+    return LLM(tiny_model_path, num_kv_blocks=128, block_size=16)
+
+
+@pytest.fixture
+def worker(tiny_model_path: str, redis_url: str, redis_prefix: str, offline: LLM) -> Iterator[WorkerService]:
+    settings = WorkerSettings(
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+        model=tiny_model_path,
+        worker_id="w1",
+        num_kv_blocks=64,
+    )
+    service = WorkerService(settings)
+    service.register()
+    yield service
+    service.aborts.close()
+    stats = service.engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert not service.active and not service.engine.requests
+
+
+def greedy(offline: LLM, prompt: list[int], max_tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return offline.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def assign(client: redis.Redis, keys: Keys, request: GenerateRequest, wid: str = "w1") -> None:
+    pipe = client.pipeline()
+    pipe.xadd(
+        keys.inbox(wid), {"data": encode(Assignment(worker_id=wid, request=request, reserved_blocks=2))}
+    )
+    pipe.hset(keys.assigned(wid), request.request_id, encode(request))
+    pipe.execute()
+
+
+def collect(worker: WorkerService, pubsub: redis.client.PubSub, num_samples: int) -> list[TokenEvent]:
+    """Step the worker until every sample has a final event; return the events in order."""
+    events: list[TokenEvent] = []
+    finished: set[int] = set()
+    deadline = time.monotonic() + 30
+    while len(finished) < num_samples and time.monotonic() < deadline:
+        worker.run_once()
+        while (message := pubsub.get_message(timeout=0.01)) is not None:
+            if message["type"] == "message":
+                event = decode(TokenEvent, message["data"])
+                events.append(event)
+                if event.finish_reason is not None:
+                    finished.add(event.index)
+    assert len(finished) == num_samples, "the worker did not finish in time"
+    return events
+
+
+def subscribe(client: redis.Redis, keys: Keys, rid: str) -> redis.client.PubSub:
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(keys.events(rid))
+    return pubsub
+
+
+def request(rid: str, **sampling: object) -> GenerateRequest:
+    spec = SamplingSpec(**{"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, **sampling})  # type: ignore[arg-type]
+    return GenerateRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=spec, arrival_time=time.time())
+
+
+def test_tokens_streamed_recorded_and_equal_to_offline(worker: WorkerService, offline: LLM) -> None:
+    client, keys = worker.redis, worker.keys
+    pubsub = subscribe(client, keys, "r1")
+    assign(client, keys, request("r1", logprobs=2))
+    events = collect(worker, pubsub, 1)
+    tokens = [t for e in events for t in e.token_ids]
+    assert tokens == greedy(offline, PROMPT, 12)
+    assert [e.start for e in events] == list(range(12))
+    assert events[-1].finish_reason == "length"
+    assert all(e.logprobs and len(e.logprobs[0].top) == 2 for e in events)
+    assert [int(t) for t in client.lrange(keys.tokens("r1", 0), 0, -1)] == tokens
+    assert client.hget(keys.finished("r1"), "0") == b"length"
+    assert not client.hexists(keys.assigned("w1"), "r1")
+    # The inbox entry was acknowledged and the heartbeat says the engine took it.
+    assert client.xpending(keys.inbox("w1"), "worker")["pending"] == 0
+    worker.heartbeat()
+    beat = Heartbeat.from_hash(client.hgetall(keys.worker("w1")))
+    assert beat.inbox_last_id != "0-0"
+    assert beat.free_blocks == beat.total_blocks == 64
+    assert beat.prompt_tokens_total == len(PROMPT) and beat.generation_tokens_total == 12
+
+
+def test_parallel_samples_each_stream_from_zero(worker: WorkerService) -> None:
+    client, keys = worker.redis, worker.keys
+    pubsub = subscribe(client, keys, "r2")
+    assign(client, keys, request("r2", n=2, temperature=1.0, seed=3))
+    events = collect(worker, pubsub, 2)
+    for index in (0, 1):
+        mine = [e for e in events if e.index == index]
+        assert [e.start for e in mine] == list(range(12))
+        assert mine[-1].finish_reason == "length"
+
+
+def test_resumed_sample_continues_where_it_stopped(worker: WorkerService, offline: LLM) -> None:
+    client, keys = worker.redis, worker.keys
+    full = greedy(offline, PROMPT, 12)
+    resumed = request("r3").model_copy(update={"samples": [0], "resume": {0: full[:5]}})
+    pubsub = subscribe(client, keys, "r3")
+    assign(client, keys, resumed)
+    events = collect(worker, pubsub, 1)
+    assert events[0].start == 5
+    assert [t for e in events for t in e.token_ids] == full[5:]
+
+
+def test_abort_stops_the_request_and_frees_blocks(worker: WorkerService) -> None:
+    client, keys = worker.redis, worker.keys
+    pubsub = subscribe(client, keys, "r4")
+    assign(client, keys, request("r4", max_tokens=500))
+    for _ in range(4):
+        worker.run_once()
+    assert worker.engine.stats().num_free_blocks < 64
+    client.publish(keys.aborts, encode(AbortMessage(request_id="r4", reason="client_disconnect")))
+    events = collect(worker, pubsub, 1)
+    assert events[-1].finish_reason == "abort"
+    assert worker.engine.stats().num_free_blocks == 64
+
+
+def test_request_that_cannot_fit_gets_an_error_event(worker: WorkerService) -> None:
+    client, keys = worker.redis, worker.keys
+    pubsub = subscribe(client, keys, "r5")
+    assign(client, keys, request("r5", max_tokens=64 * 16))
+    events = collect(worker, pubsub, 1)
+    assert events[-1].finish_reason == "error" and "KV pool" in (events[-1].error or "")
+    assert not client.hexists(keys.assigned("w1"), "r5")
+
+
+def test_assignment_of_an_aborted_request_is_dropped(worker: WorkerService) -> None:
+    client, keys = worker.redis, worker.keys
+    client.set(keys.abort_flag("r6"), 1, ex=60)
+    assign(client, keys, request("r6"))
+    worker.run_once()
+    assert not worker.active
+    assert not client.hexists(keys.assigned("w1"), "r6")
+    assert client.xpending(keys.inbox("w1"), "worker")["pending"] == 0
