@@ -1,0 +1,413 @@
+"""End to end: gunicorn gateway, scheduler service and two CPU workers as real processes over a real Redis,
+driven with the official openai client and raw HTTP. Greedy output must equal the offline engine's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+import requests
+
+from gpu_worker import LLM, SamplingParams
+from shared.keys import Keys
+from shared.protocol import Heartbeat
+
+MODEL_NAME = "tiny-llama"
+NUM_KV_BLOCKS = 128
+WORKERS = ("w1", "w2")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    """The running services and how to reach them."""
+
+    base_url: str
+    redis: redis.Redis
+    keys: Keys
+    env: dict[str, str]
+    logs: Path
+    processes: dict[str, subprocess.Popen[bytes]]
+
+    def start(self, name: str, *args: str, **extra_env: str) -> None:
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - the process owns it
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", *args], env={**self.env, **extra_env}, stdout=log, stderr=subprocess.STDOUT
+        )
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def heartbeats(self) -> dict[str, Heartbeat]:
+        beats = {}
+        for wid in WORKERS:
+            fields = self.redis.hgetall(self.keys.worker(wid))
+            if fields:
+                beats[wid] = Heartbeat.from_hash(fields)
+        return beats
+
+    def wait_idle(self, timeout: float = 60) -> dict[str, Heartbeat]:
+        """Until every live worker reports nothing running and every block free."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            beats = self.heartbeats()
+            if beats and all(
+                b.num_running == b.num_waiting == 0 and b.free_blocks == b.total_blocks
+                for b in beats.values()
+            ):
+                return beats
+            time.sleep(0.2)
+        raise AssertionError(f"workers did not drain: {self.heartbeats()}")
+
+    def logs_tail(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.logs.glob("*.log")))
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_model_path: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    prefix = f"pagedserve-e2e-{uuid.uuid4().hex[:10]}"
+    port = _free_port()
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "REDIS_PREFIX": prefix,
+        "MODEL": tiny_model_path,
+        "SERVED_MODEL_NAME": MODEL_NAME,
+        "PORT": str(port),
+        "GATEWAY_WORKERS": "2",
+        "HEARTBEAT_TTL_S": "3",
+        "HEARTBEAT_INTERVAL_S": "0.5",
+        "NUM_KV_BLOCKS": str(NUM_KV_BLOCKS),
+        "SSE_HEARTBEAT_S": "0.5",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    client = redis.Redis.from_url(redis_url)
+    c = Cluster(f"http://127.0.0.1:{port}", client, Keys(prefix), env, tmp_path_factory.mktemp("logs"), {})
+    c.start("scheduler", "scheduler_svc")
+    for wid in WORKERS:
+        c.start(wid, "gpu_worker", WORKER_ID=wid)
+    c.start("gateway", "gateway")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if (
+                    requests.get(f"{c.base_url}/ready", timeout=2).status_code == 200
+                    and len(c.heartbeats()) == 2
+                ):
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"the services did not become ready\n{c.logs_tail()}")
+        yield c
+    finally:
+        for proc in c.processes.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in c.processes.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+
+
+@pytest.fixture(autouse=True)
+def drained(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "cluster" in request.fixturenames:
+        c: Cluster = request.getfixturevalue("cluster")
+        c.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_path: str) -> LLM:
+    return LLM(tiny_model_path, num_kv_blocks=NUM_KV_BLOCKS, block_size=16)
+
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time in a land far away, there lived",
+    "1, 2, 3, 4,",
+    "Paged attention stores the KV cache in blocks",
+]
+
+
+def offline_text(offline: LLM, prompts: list[str], max_tokens: int) -> list[str]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
+
+
+def test_completions_match_offline_engine(cluster: Cluster, offline: LLM) -> None:
+    client = cluster.client()
+    expected = offline_text(offline, PROMPTS, 20)
+    for prompt, text in zip(PROMPTS, expected):
+        out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0)
+        assert out.choices[0].text == text
+        assert out.usage is not None and out.usage.prompt_tokens > 0
+        assert out.usage.completion_tokens == len(
+            offline.get_tokenizer().encode(text, add_special_tokens=False)
+        ) or (out.choices[0].finish_reason in ("stop", "length"))
+
+
+def test_streaming_completion_equals_non_streaming(cluster: Cluster, offline: LLM) -> None:
+    client = cluster.client()
+    expected = offline_text(offline, PROMPTS[:2], 24)
+    for prompt, text in zip(PROMPTS[:2], expected):
+        stream = client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, usage, finish = [], None, None
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                pieces.append(choice.text)
+                finish = choice.finish_reason or finish
+        assert "".join(pieces) == text
+        assert usage is not None and usage.completion_tokens > 0
+        assert finish in ("stop", "length")
+
+
+def test_chat_streaming_and_not_match_offline(cluster: Cluster, offline: LLM) -> None:
+    client = cluster.client()
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    expected = (
+        offline.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0)
+    assert out.choices[0].message.content == expected
+    assert out.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == expected
+
+
+def test_n2_max_tokens_usage_and_logprobs(cluster: Cluster) -> None:
+    client = cluster.client()
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[1],
+        max_tokens=7,
+        temperature=1.0,
+        seed=5,
+        n=2,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    for choice in out.choices:
+        assert choice.finish_reason == "length"
+        assert choice.logprobs is not None and len(choice.logprobs.token_logprobs) == 7
+        assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    assert out.usage is not None and out.usage.completion_tokens == 14
+    again = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[1],
+        max_tokens=7,
+        temperature=1.0,
+        seed=5,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+
+
+def test_stop_string_cuts_the_text(cluster: Cluster, offline: LLM) -> None:
+    client = cluster.client()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = offline.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].text
+    # A stop string from the middle of the text that is not blank; the text must end right before it.
+    start = next(i for i in range(len(full) // 2, len(full) - 3) if full[i : i + 3].strip())
+    stop = full[start : start + 3]
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[0],
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == full[: full.index(stop)]
+
+
+def test_hundred_concurrent_streams_complete_on_both_workers(cluster: Cluster) -> None:
+    before = {wid: b.generation_tokens_total for wid, b in cluster.heartbeats().items()}
+    results: list[str | BaseException] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            client = cluster.client()
+            stream = client.completions.create(
+                model=MODEL_NAME,
+                prompt=f"request {i}: {PROMPTS[i % 4]}",
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            finish = None
+            for chunk in stream:
+                for choice in chunk.choices:
+                    finish = choice.finish_reason or finish
+            with lock:
+                results.append(finish or "missing")
+        except BaseException as e:
+            with lock:
+                results.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(100)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results.count("length") == 100, results[:5]
+    beats = cluster.wait_idle()
+    took = {wid: beats[wid].generation_tokens_total - before.get(wid, 0) for wid in WORKERS}
+    assert all(n > 0 for n in took.values()), took
+    assert sum(took.values()) == 100 * 12
+
+
+def test_client_disconnect_aborts_the_request(cluster: Cluster) -> None:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPTS[2],
+        "max_tokens": 1000,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with requests.post(f"{cluster.base_url}/v1/completions", json=body, stream=True, timeout=60) as response:
+        assert response.status_code == 200
+        seen = 0
+        for line in response.iter_lines():
+            if line.startswith(b"data: {"):
+                seen += 1
+                if seen == 3:
+                    break
+    # The connection is closed here; the gateway notices and the worker drops the request long before its
+    # 1000 tokens, and its blocks are back in the pool.
+    cluster.wait_idle(timeout=30)
+    aborted = [
+        key
+        for key in cluster.redis.scan_iter(match=cluster.keys.finished("*"))
+        if cluster.redis.hget(key, "0") == b"abort"
+    ]
+    assert len(aborted) == 1
+    rid = aborted[0].decode()[len(cluster.keys.prefix) + len(":request:") : -len(":finished")]
+    assert 3 <= cluster.redis.llen(cluster.keys.tokens(rid, 0)) < 1000
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/v1/completions", b"{not json", 400),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": -1}, 400),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 10**9}, 400),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "bogus": 1}, 400),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": 5}, 400),
+        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400),
+        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user"}]}, 400),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi " * 5000}, 400),
+        ("/v1/nothing", {}, 404),
+    ],
+)
+def test_bad_input_gets_an_openai_error(cluster: Cluster, path: str, body: object, status: int) -> None:
+    if isinstance(body, bytes):
+        response = requests.post(
+            cluster.base_url + path, data=body, headers={"Content-Type": "application/json"}
+        )
+    else:
+        response = requests.post(cluster.base_url + path, json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["message"]
+
+
+def test_metrics_and_models(cluster: Cluster) -> None:
+    models = cluster.client().models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    text = requests.get(f"{cluster.base_url}/metrics", timeout=10).text
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+    ):
+        assert name in text
+    assert 'worker="w1"' in text and 'worker="w2"' in text
+
+
+def test_killed_worker_resumes_on_the_other(cluster: Cluster, offline: LLM) -> None:
+    """kill -9 mid-generation: one stream, no gap, no duplicate, identical greedy output."""
+    prompt = PROMPTS[3]
+    expected = (
+        offline.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": 300,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    pieces: list[str] = []
+    killed = None
+    with requests.post(f"{cluster.base_url}/v1/completions", json=body, stream=True, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[len(b"data: ") :])
+            pieces.extend(c["text"] for c in chunk["choices"])
+            if killed is None and len(pieces) == 20:
+                holder = [w for w in WORKERS if cluster.redis.hlen(cluster.keys.assigned(w))]
+                assert len(holder) == 1
+                killed = holder[0]
+                cluster.processes[killed].send_signal(signal.SIGKILL)
+    assert killed is not None
+    assert "".join(pieces) == expected
+    # Bring the worker back so the module's other tests (and teardown) see two.
+    cluster.processes[killed].wait()
+    cluster.start(f"{killed}-again", "gpu_worker", WORKER_ID=f"{killed}-again")
