@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test lint check-compose clean
+.PHONY: install test lint check-compose run clean kernels
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,23 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: $(STAMP) lint
+# The tests start their own redis-server when none answers at REDIS_URL; make sure the binary exists.
+test: $(STAMP) lint check-compose
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	$(PY) -m pytest -q
+
+# Debian's docker-compose validates the compose file without a Docker engine.
+check-compose:
+	@command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose)
+	docker-compose -f docker-compose.yml config -q
+
+# Everything locally on the default model: Redis if none answers, scheduler, WORKERS workers, the gateway.
+run: $(STAMP)
+	bash scripts/run.sh
+
+# The CUDA extension, ahead of time (needs a CUDA build of torch and nvcc; TORCH_CUDA_ARCH_LIST picks targets).
+kernels: $(STAMP)
+	$(PY) -m kernels.build
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

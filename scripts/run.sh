@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# `make run`: the whole suite on this machine - a Redis (when none answers at REDIS_URL), the scheduler,
+# WORKERS workers (default 1; on the CPU when there is no GPU) and the gateway on http://HOST:PORT.
+# Ctrl-C stops everything this script started. Settings: the environment, as listed by each service's --help.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PY:-.venv/bin/python}
+WORKERS=${WORKERS:-1}
+export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
+export HOST=${HOST:-127.0.0.1}
+export PORT=${PORT:-8000}
+export HF_HUB_OFFLINE=1
+
+pids=()
+stop_all() {
+  trap - INT TERM EXIT
+  echo "stopping..."
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap stop_all INT TERM EXIT
+
+redis_answers() {
+  "$PY" -c "import os, redis; redis.Redis.from_url(os.environ['REDIS_URL'], socket_connect_timeout=1).ping()" \
+    2>/dev/null
+}
+
+if ! redis_answers; then
+  if ! command -v redis-server >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    else
+      echo "no Redis answers at $REDIS_URL and redis-server is not installed (apt-get install redis-server)" >&2
+      exit 1
+    fi
+  fi
+  redis_port=$("$PY" -c "import os, urllib.parse; print(urllib.parse.urlparse(os.environ['REDIS_URL']).port or 6379)")
+  echo "starting redis-server on port $redis_port"
+  redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no --loglevel warning &
+  pids+=($!)
+  for _ in $(seq 50); do redis_answers && break; sleep 0.1; done
+fi
+
+# De-quantize the model once, before several processes would each start doing it.
+"$PY" -c "import os; from gpu_worker.model_loader import resolve_model_path; resolve_model_path(os.environ.get('MODEL'))"
+
+"$PY" -m scheduler_svc & pids+=($!)
+for _ in $(seq "$WORKERS"); do "$PY" -m gpu_worker & pids+=($!); done
+"$PY" -m gateway & pids+=($!)
+
+url="http://$HOST:$PORT"
+for _ in $(seq 600); do
+  if curl -sf "$url/ready" >/dev/null 2>&1; then break; fi
+  sleep 0.5
+done
+if ! curl -sf "$url/ready" >/dev/null 2>&1; then
+  echo "the services did not become ready" >&2
+  exit 1
+fi
+cat <<MSG
+
+pagedserve is ready: point an OpenAI client at $url/v1 (any API key unless API_KEYS is set)
+
+  curl -N $url/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "SmolLM2-135M-Instruct", "stream": true, "temperature": 0, "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+
+Ctrl-C stops everything.
+MSG
+wait -n
