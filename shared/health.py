@@ -11,7 +11,7 @@ import sys
 
 import redis
 
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, parse_settings
 
 
 def scheduler_live(client: redis.Redis, settings: CommonSettings) -> bool:
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] not in checks:
         print("usage: python -m shared.health scheduler|worker", file=sys.stderr)
         return 2
-    settings = CommonSettings()
+    settings = parse_settings(CommonSettings, [])
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3)
     try:
         return 0 if checks[argv[0]](client, settings) else 1
