@@ -324,13 +324,11 @@ def test_client_disconnect_aborts_the_request(cluster: Cluster) -> None:
     # The connection is closed here; the gateway notices and the worker drops the request long before its
     # 1000 tokens, and its blocks are back in the pool.
     cluster.wait_idle(timeout=30)
-    aborted = [
-        key
-        for key in cluster.redis.scan_iter(match=cluster.keys.finished("*"))
-        if cluster.redis.hget(key, "0") == b"abort"
-    ]
-    assert len(aborted) == 1
-    rid = aborted[0].decode()[len(cluster.keys.prefix) + len(":request:") : -len(":finished")]
+    flags = [k.decode() for k in cluster.redis.scan_iter(match=cluster.keys.abort_flag("*"))]
+    disconnected = [k for k in flags if cluster.redis.get(k) == b"client_disconnect"]
+    assert len(disconnected) == 1
+    rid = disconnected[0][len(cluster.keys.abort_flag("")) - len(":abort") : -len(":abort")]
+    assert cluster.redis.hget(cluster.keys.finished(rid), "0") == b"abort"
     assert 3 <= cluster.redis.llen(cluster.keys.tokens(rid, 0)) < 1000
 
 
