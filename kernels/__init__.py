@@ -1,7 +1,83 @@
-"""Paged KV-cache ops: the single import point the model runner uses."""
+"""Paged KV-cache ops: the single import point the model runner uses.
 
-# Dispatch point: for now every op is the pure-torch one. Once the CUDA extension is built, a CUDA op with the
-# same signature is picked here when the tensors are on CUDA; callers never import torch_ops directly.
-from kernels.torch_ops import copy_blocks, paged_attention, write_kv_cache
+Each op runs its CUDA kernel (kernels/csrc, built on first use) when its tensors are on a CUDA device, and its
+pure-torch twin from kernels.torch_ops otherwise or where no kernel is compiled for the shape; both share one
+signature. Callers never import torch_ops or the extension directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kernels import torch_ops
 
 __all__ = ["copy_blocks", "paged_attention", "write_kv_cache"]
+
+# Kept equal to PAGEDSERVE_FOR_EACH_HEAD_SIZE in csrc/paged_attention.h (a test compares them).
+DECODE_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
+DECODE_BLOCK_SIZES = (8, 16, 32)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _cuda_ops(t: Tensor) -> Any | None:
+    if not t.is_cuda or t.dtype not in DTYPES:
+        return None
+    # Imported here, not above: `python -m kernels.build` must find the module not yet imported. The build
+    # (or the load of a cached one) happens once per process, on the first op that sees a CUDA tensor.
+    from kernels.build import load_extension
+
+    return load_extension()
+
+
+def write_kv_cache(
+    key: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Write each token's K/V into its cache slot, skipping tokens whose slot is -1."""
+    ops = _cuda_ops(k_cache)
+    if ops is None or key.stride(-1) != 1 or value.stride(-1) != 1:
+        torch_ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
+    ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping.long())
+
+
+def paged_attention(
+    out: Tensor,  # [num_tokens, num_heads, head_size]
+    query: Tensor,  # [num_tokens, num_heads, head_size]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: Tensor,  # [num_seqs, max_num_blocks_per_seq] int32, -1 padded
+    seq_lens: Tensor,  # [num_seqs] int32, cached context + this step's tokens
+    query_start_loc: Tensor,  # [num_seqs + 1] int32, cumulative query lengths, each at least 1
+    scale: float,
+) -> None:
+    """Causal attention of each sequence's new query tokens over its whole paged context, written into out."""
+    ops = _cuda_ops(query)
+    args = (out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+    compiled = k_cache.shape[3] in DECODE_HEAD_SIZES and k_cache.shape[1] in DECODE_BLOCK_SIZES
+    if ops is None or not compiled or query.stride(-1) != 1 or out.stride(-1) != 1:
+        torch_ops.paged_attention(*args)
+        return
+    # The kernel takes the decodes and skips every sequence with more than one query token.
+    ops.paged_attention_decode(*args)
+    # With one token per sequence there are no prefill chunks: known from shapes, without reading the GPU.
+    if query.shape[0] != seq_lens.shape[0]:
+        torch_ops.prefill_attention(*args)
+
+
+def copy_blocks(
+    kv_cache: Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
+    block_mapping: Tensor,  # [num_pairs, 2] int64 of (src, dst); on CUDA no dst may also be a src
+) -> None:
+    """Copy block src to block dst for K and V in every layer (copy-on-write)."""
+    ops = _cuda_ops(kv_cache)
+    if ops is None or block_mapping.numel() == 0:
+        torch_ops.copy_blocks(kv_cache, block_mapping)
+        return
+    ops.copy_blocks(kv_cache, block_mapping.to(device=kv_cache.device, dtype=torch.long))

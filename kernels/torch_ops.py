@@ -69,7 +69,39 @@ def paged_attention(
 
     if decodes:
         _decode_batch(out, query, k_cache, v_cache, block_table, seq_lens, starts, lens, decodes, scale)
+    _prefill_each(out, query, k_cache, v_cache, block_table, seq_lens, starts, lens, prefills, scale)
 
+
+def prefill_attention(
+    out: Tensor,  # [num_tokens, num_heads, head_size]
+    query: Tensor,  # [num_tokens, num_heads, head_size]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: Tensor,  # [num_seqs, max_num_blocks_per_seq] int32, -1 padded
+    seq_lens: Tensor,  # [num_seqs] int32, cached context + this step's tokens
+    query_start_loc: Tensor,  # [num_seqs + 1] int32, cumulative query lengths
+    scale: float,
+) -> None:
+    """paged_attention of the sequences with more than one new token; decode rows of out are untouched."""
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    prefills = [s for s in range(len(lens)) if starts[s + 1] - starts[s] > 1]
+    _prefill_each(out, query, k_cache, v_cache, block_table, seq_lens, starts, lens, prefills, scale)
+
+
+def _prefill_each(
+    out: Tensor,  # [num_tokens, num_heads, head_size]
+    query: Tensor,  # [num_tokens, num_heads, head_size]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: Tensor,  # [num_seqs, max_num_blocks_per_seq] int32, -1 padded
+    seq_lens: Tensor,  # [num_seqs] int32
+    starts: list[int],
+    lens: list[int],
+    prefills: list[int],
+    scale: float,
+) -> None:
+    """One SDPA call per prefill chunk over its gathered context, causal from its first new token on."""
     for s in prefills:
         q_start, q_end, ctx = starts[s], starts[s + 1], lens[s]
         rows, ctx_lens = block_table[s : s + 1], seq_lens[s : s + 1]

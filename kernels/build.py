@@ -1,0 +1,105 @@
+"""Builds the CUDA kernels of kernels/csrc into a torch extension (JIT, cached on disk) and loads them.
+
+    python -m kernels.build     # ahead of time: `make kernels`, the Docker image
+
+The build targets TORCH_CUDA_ARCH_LIST ("8.0;9.0", "9.0+PTX") when it is set, else the current GPU. The
+extension's name carries a hash of the sources and flags, so an edited header or another architecture
+builds afresh while an unchanged tree loads the cached library in well under a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [
+    "paged_attention_decode.cu",
+    "paged_attention_decode_fp32.cu",
+    "paged_attention_decode_fp16.cu",
+    "paged_attention_decode_bf16.cu",
+    "cache_kernels.cu",
+    "bindings.cpp",
+]
+# Architectures of an ahead-of-time build on a machine without a GPU: A100 and H100/H200.
+DEFAULT_ARCHS = "8.0;9.0"
+
+
+def arch_flags() -> list[str]:
+    """nvcc -gencode flags for TORCH_CUDA_ARCH_LIST, else the current device, else DEFAULT_ARCHS."""
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if not arch_list:
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            arch_list = f"{major}.{minor}"
+        else:
+            arch_list = DEFAULT_ARCHS
+    flags = []
+    for arch in arch_list.replace(",", ";").replace(" ", ";").split(";"):
+        if not arch:
+            continue
+        number = arch.removesuffix("+PTX").replace(".", "")
+        flags.append(f"-gencode=arch=compute_{number},code=sm_{number}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{number},code=compute_{number}")
+    return flags
+
+
+def extension_name(cuda_flags: list[str]) -> str:
+    digest = hashlib.sha256(" ".join(cuda_flags).encode())
+    for path in sorted(p for p in CSRC.iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"pagedserve_kernels_{digest.hexdigest()[:12]}"
+
+
+def build(verbose: bool = False) -> str:
+    """Compile (or find in the cache) the extension, load it into torch.ops.pagedserve; returns its path."""
+    # Deferred: cpp_extension pulls in setuptools, which nothing on the CPU path needs.
+    from torch.utils.cpp_extension import load
+
+    cuda_flags = ["-O3", "-lineinfo", *arch_flags()]
+    path = load(
+        name=extension_name(cuda_flags),
+        sources=[str(CSRC / source) for source in SOURCES],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=cuda_flags,
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return str(path)
+
+
+@functools.cache
+def load_extension() -> Any | None:
+    """torch.ops.pagedserve with the CUDA ops (built on first use), or None where CUDA is unavailable."""
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return None
+    try:
+        build()
+    except Exception:  # a GPU without a CUDA toolkit still serves, through the torch ops
+        logger.exception("building the pagedserve CUDA kernels failed; using the pure-torch ops")
+        return None
+    return torch.ops.pagedserve
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO)
+    if torch.version.cuda is None:
+        print(f"kernels.build: torch {torch.__version__} has no CUDA; nothing to build", file=sys.stderr)
+        return 1
+    print(f"kernels.build: building for {' '.join(arch_flags())}", flush=True)
+    print(f"kernels.build: {build(verbose=True)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+// The decode kernels for __half: one translation unit per dtype, so the three compile in parallel.
+#include "paged_attention_decode.cuh"
+
+namespace pagedserve {
+template cudaError_t decode_for_dtype<__half>(const DecodeArgs& args, cudaStream_t stream);
+}  // namespace pagedserve
