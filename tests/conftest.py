@@ -132,3 +132,9 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
         keys = list(client.scan_iter(match=pattern, count=1000))
         if keys:
             client.delete(*keys)
+
+
+@pytest.fixture
+def keys(redis_prefix: str) -> Keys:
+    """The key names under this test's own prefix."""
+    return Keys(redis_prefix)

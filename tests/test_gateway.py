@@ -58,11 +58,6 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def keys(redis_prefix: str) -> Keys:
-    return Keys(redis_prefix)
-
-
-@pytest.fixture
 def tok(tiny_model_path: str) -> Tokenizer:
     return load_tokenizer(tiny_model_path)
 

@@ -46,11 +46,6 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
     c.close()
 
 
-@pytest.fixture
-def keys(redis_prefix: str) -> Keys:
-    return Keys(redis_prefix)
-
-
 def make_settings(redis_url: str, prefix: str, **overrides: Any) -> SchedulerSettings:
     return SchedulerSettings(redis_url=redis_url, redis_prefix=prefix, watermark_blocks=2, **overrides)
 
