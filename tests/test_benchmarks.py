@@ -1,0 +1,88 @@
+"""Smoke runs of the offline benchmarks on the tiny random model: they run, and their JSON makes sense."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import memory
+import offline
+from workloads import ModelShape, make_workload
+
+
+def test_workloads_have_the_asked_shapes() -> None:
+    w2 = make_workload("W2", 1000, seed=0)
+    assert len(w2.prompts) == 64 and len(w2.output_lens) == 64
+    assert all(16 <= len(p) <= 256 for p in w2.prompts) and all(16 <= o <= 256 for o in w2.output_lens)
+    assert all(17 <= t < 1000 for p in w2.prompts for t in p)
+    again = make_workload("W2", 1000, seed=0, variant=1)
+    assert list(map(len, again.prompts)) == list(map(len, w2.prompts)) and again.prompts != w2.prompts
+    w3 = make_workload("W3", 1000)
+    assert all(p[:256] == w3.prompts[0][:256] and len(p) == 288 for p in w3.prompts)
+    assert w3.prompts[0][256:] != w3.prompts[1][256:]
+
+
+def test_flops_count_the_causal_context() -> None:
+    shape = ModelShape(
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32, vocab_size=100,
+        num_params_without_embeddings=1000,
+    )  # fmt: skip
+    wl = make_workload("W1", 100, scale=1 / 32)  # 2 requests, 1 prompt token, 2 output tokens
+    assert wl.output_lens == [2, 2] and list(map(len, wl.prompts)) == [1, 1]
+    per_request = 2 * 1000 * 3 + 2 * 100 * 32 * 2 + 4 * 2 * 4 * 8 * (3 * 4 / 2)
+    assert shape.flops(wl) == pytest.approx(2 * per_request)
+    assert shape.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 8 * 4
+
+
+def test_offline_smoke(tiny_model_path: str, tmp_path: Path) -> None:
+    out, png = tmp_path / "offline.json", tmp_path / "offline.png"
+    offline.main(
+        ["--model", tiny_model_path, "--scale", "0.25", "--repeats", "1", "--static-batch-sizes", "4", "16",
+         "--kv-budget-mib", "0.25", "--json", str(out), "--plot", str(png)]
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert png.stat().st_size > 0
+    assert results["machine"]["fp32_matmul_flops_per_s"] > 0
+    assert set(results["workloads"]) == {"W1", "W2", "W3", "W2eq"}
+    for key, wl in results["workloads"].items():
+        rows = {r["system"]: r for r in wl["systems"]}
+        assert any(name.startswith("pagedserve") for name in rows), key
+        assert any(name.startswith("static generate()") for name in rows), key
+        assert "transformers continuous batching" in rows, key
+        for row in rows.values():
+            if "error" in row:
+                assert row["system"].startswith("transformers"), row  # only that one may be n/a
+                continue
+            assert row["output_tokens_per_s"] > 0
+            assert row["processed_tokens_per_s"] > row["output_tokens_per_s"]
+            assert row["seconds_min"] <= row["seconds"] <= row["seconds_max"]
+            assert row["mfu"] > 0 and row["vs_best_static"] > 0
+    ttft = results["workloads"]["W3"]["ttft"]
+    assert set(ttft) == {"prefix caching", "no prefix caching"}
+    assert all(t["mean_s"] > 0 and t["p50_s"] > 0 for t in ttft.values())
+    # 0.25 MiB holds 256 tokens of the tiny model: two reservations of the longest prompt + output (64 + 64).
+    static_eq = [r for r in results["workloads"]["W2eq"]["systems"] if r["system"].startswith("static")]
+    assert [r["batch_size"] for r in static_eq] == [2]
+
+
+def test_memory_smoke(tiny_model_path: str, tmp_path: Path) -> None:
+    out, png = tmp_path / "memory.json", tmp_path / "memory.png"
+    results = memory.main(
+        ["--model", tiny_model_path, "--scale", "0.25", "--kv-budget-mib", "0.25", "--json", str(out),
+         "--plot", str(png)]
+    )  # fmt: skip
+    assert json.loads(out.read_text())["summary"] == results["summary"]
+    assert png.stat().st_size > 0
+    summary = results["summary"]
+    for s in results["samples"]:
+        if s["num_running"]:
+            assert 0 < s["paged_utilization"] <= 1 and 0 < s["contiguous_utilization"] <= 1
+    assert summary["paged_utilization_at_peak"] >= summary["contiguous_utilization_at_peak"]
+    assert summary["peak_concurrent_paged"] >= summary["peak_concurrent_contiguous"]
+    assert summary["peak_allocated_slots"] <= results["capacity_slots"]
