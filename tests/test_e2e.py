@@ -373,6 +373,22 @@ def test_metrics_and_models(cluster: Cluster) -> None:
     assert 'worker="w1"' in text and 'worker="w2"' in text
 
 
+def test_serving_latency_benchmark_smoke(cluster: Cluster, offline: LLM) -> None:
+    """The serving benchmark's two paths, tiny, so the script cannot rot."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import serving_latency
+
+    prompts = serving_latency.make_prompts(4, offline.engine.vocab_size, seed=1)
+    results = {
+        "gateway": serving_latency.through_gateway(cluster.base_url, MODEL_NAME, prompts, 4, 2),
+        "offline": serving_latency.offline(offline.engine, prompts, 4, 2),
+    }
+    for r in results.values():
+        assert r["output_tokens_per_s"] > 0
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"]
+
+
 def test_killed_worker_resumes_on_the_other(cluster: Cluster, offline: LLM) -> None:
     """kill -9 mid-generation: one stream, no gap, no duplicate, identical greedy output."""
     prompt = PROMPTS[3]
