@@ -62,6 +62,17 @@ class BlockAllocator:
         """Current reference count of a block."""
         return self._ref[block_id]
 
+    def block_hashes(
+        self, token_ids: Sequence[int], first_block: int, end_block: int, parent_hash: int | None
+    ) -> list[int]:
+        """Chained hashes of full blocks first_block..end_block-1 of token_ids (parent_hash: block before)."""
+        hashes = []
+        bs = self.block_size
+        for i in range(first_block, end_block):
+            parent_hash = _block_hash(parent_hash, tuple(token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(parent_hash)
+        return hashes
+
     def find_cached_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[int]]:
         """Longest chain of cached full blocks matching the start of token_ids; takes no references."""
         if not self.enable_prefix_caching:

@@ -89,28 +89,59 @@ class Scheduler:
                 return False
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        in_flight = self._blocks_in_flight()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
             if not seq.block_table:
                 self._take_cached_prefix(seq)
+                if self._next_block_hashes(seq, 1) & in_flight:
+                    # Its next block is being computed by another sequence now: wait and hit the cache
+                    # instead of computing the same prefix twice.
+                    self._release_prefix(seq)
+                    i += 1
+                    continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self.allocator.num_blocks_to_append(
                 seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + num_new
             )
             if not self.allocator.can_allocate(need):
-                # Give the hit blocks back; the next attempt looks them up again.
-                self.allocator.free(seq.block_table)
-                seq.reset_computed()
+                self._release_prefix(seq)
                 break
             out.copy_pairs += self.allocator.append_slots(
                 seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + num_new
             )
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=Sequence.sort_key)
+            in_flight |= self._next_block_hashes(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
             budget -= num_new
+
+    def _release_prefix(self, seq: Sequence) -> None:
+        """Give back the hit blocks of a sequence that stays waiting; the next attempt looks them up again."""
+        self.allocator.free(seq.block_table)
+        seq.reset_computed()
+
+    def _next_block_hashes(self, seq: Sequence, limit: int | None = None) -> set[int]:
+        """Hashes of the full prompt blocks after those in the prefix cache (at most limit of them)."""
+        if not self.allocator.enable_prefix_caching:
+            return set()
+        end = (seq.num_tokens - 1) // self.block_size
+        if limit is not None:
+            end = min(end, seq.num_cached_blocks + limit)
+        return set(
+            self.allocator.block_hashes(seq.token_ids, seq.num_cached_blocks, end, seq.last_block_hash)
+        )
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Hashes of prompt blocks that running sequences have still to compute."""
+        in_flight: set[int] = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_tokens - 1:
+                in_flight |= self._next_block_hashes(seq)
+        return in_flight
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         # NOTE: at least the last token is always computed, since its logits are needed for sampling.

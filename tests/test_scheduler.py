@@ -161,6 +161,12 @@ class Sim:
         for src, dst in out.copy_pairs:
             assert src != dst and self.allocator.ref_count(dst) == 1 and self.allocator.ref_count(src) >= 1
 
+    def shares_prefix_in_flight(self, seq: Sequence) -> bool:
+        """A running sequence still prefilling holds the same first full block as seq."""
+        if not self.scheduler.allocator.enable_prefix_caching or (seq.num_tokens - 1) // BS < 1:
+            return False
+        return any(r.token_ids[:BS] == seq.token_ids[:BS] for r in self.scheduler.running)
+
     def check_order(
         self,
         out: SchedulerOutput,
@@ -178,9 +184,11 @@ class Sim:
         assert all(s in waiting_before or s in preempted for s in admitted)
         if admitted:
             assert all(s in out.seqs for s in still_running), "waiting admitted before running scheduled"
-        # Waiting order: those admitted came before every sequence still waiting.
+        # Waiting order: those admitted came before every sequence still waiting, except one held back because
+        # a running sequence is computing the same prefix block (it will hit the cache instead).
         for seq in admitted:
-            assert all(seq.sort_key() < w.sort_key() for w in self.scheduler.waiting)
+            for w in self.scheduler.waiting:
+                assert seq.sort_key() < w.sort_key() or self.shares_prefix_in_flight(w)
         # Preemption takes the lowest-priority, latest-arrival running sequences and drops their KV cache.
         for victim in preempted:
             assert all(s.sort_key() < victim.sort_key() for s in still_running)
@@ -442,6 +450,23 @@ def test_prefix_hit_while_owner_is_running() -> None:
     assert res.out.num_new_tokens == [1, 2]
     assert second.block_table[:2] == first.block_table[:2]
     assert [sim.allocator.ref_count(b) for b in first.block_table[:2]] == [2, 2]
+    sim.run()
+    sim.check_drained()
+
+
+def test_shared_prefix_arriving_together_is_computed_once() -> None:
+    sim = Sim(num_blocks=64)
+    prefix = distinct_prompt(0, 4 * BS)
+    first = sim.add([*prefix, 1, 2, 3], 10)
+    second = sim.add([*prefix, 4, 5], 2)
+    other = sim.add(distinct_prompt(9, 2 * BS), 2)
+    res = sim.step()
+    # The second waits while the first computes the shared blocks; a later arrival with nothing in common
+    # goes ahead of it.
+    assert res.out.seqs == [first, other] and second in sim.scheduler.waiting
+    res = sim.step()
+    assert second in res.admitted and second.block_table[:4] == first.block_table[:4]
+    assert sim.allocator.num_prefix_hits >= 4
     sim.run()
     sim.check_drained()
 
