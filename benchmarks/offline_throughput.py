@@ -19,8 +19,10 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import offline
 import torch
 from transformers import AutoModelForCausalLM
+from workloads import Workload
 
 from gpu_worker import LLM, SamplingParams
 from gpu_worker.model_loader import resolve_model_path
@@ -35,25 +37,9 @@ def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) ->
 
 def run_static(model: Any, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int) -> float:
     """transformers' generate() over left-padded static batches; returns seconds."""
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        batch = prompts[i : i + batch_size]
-        width = max(map(len, batch))
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(batch):
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        with torch.inference_mode():
-            model.generate(
-                ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=output_len,
-                min_new_tokens=output_len,
-                pad_token_id=pad_id,
-            )
-    return time.perf_counter() - start
+    longest = max(map(len, prompts))
+    workload = Workload("headline", prompts, [output_len] * len(prompts), longest, output_len)
+    return offline.run_static(model, workload, batch_size, pad_id)
 
 
 def run_paged(llm: LLM, prompts: list[list[int]], output_len: int) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,3 +87,17 @@ def test_memory_smoke(tiny_model_path: str, tmp_path: Path) -> None:
     assert summary["paged_utilization_at_peak"] >= summary["contiguous_utilization_at_peak"]
     assert summary["peak_concurrent_paged"] >= summary["peak_concurrent_contiguous"]
     assert summary["peak_allocated_slots"] <= results["capacity_slots"]
+
+
+def test_offline_throughput_smoke(tiny_model_path: str, tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "offline_throughput.py"
+    subprocess.run(
+        [sys.executable, str(script), "--model", tiny_model_path, "--num-prompts", "4", "--output", "4",
+         "--static-batch-sizes", "2", "--json", str(out)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"pagedserve", "static generate() batch=2"}
+    assert all(r["output_tokens_per_s"] > 0 for r in rows.values())
+    assert rows["static generate() batch=2"]["speedup_vs_best_static"] == 1.0
