@@ -89,6 +89,8 @@ class Scheduler:
                 return False
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
         in_flight = self._blocks_in_flight()
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -165,14 +165,17 @@ def offline_text(offline: LLM, prompts: list[str], max_tokens: int) -> list[str]
 
 def test_completions_match_offline_engine(cluster: Cluster, offline: LLM) -> None:
     client = cluster.client()
-    expected = offline_text(offline, PROMPTS, 20)
-    for prompt, text in zip(PROMPTS, expected):
+    params = SamplingParams(temperature=0, max_tokens=20)
+    expected = [o.outputs[0] for o in offline.generate(PROMPTS, params, use_tqdm=False)]
+    for prompt, reference in zip(PROMPTS, expected):
         out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0)
-        assert out.choices[0].text == text
-        assert out.usage is not None and out.usage.prompt_tokens > 0
-        assert out.usage.completion_tokens == len(
-            offline.get_tokenizer().encode(text, add_special_tokens=False)
-        ) or (out.choices[0].finish_reason in ("stop", "length"))
+        assert out.choices[0].text == reference.text
+        assert out.choices[0].finish_reason == reference.finish_reason
+        assert out.usage is not None
+        assert out.usage.prompt_tokens == len(
+            offline.get_tokenizer().encode(prompt, add_special_tokens=False)
+        )
+        assert out.usage.completion_tokens == len(reference.token_ids)
 
 
 def test_streaming_completion_equals_non_streaming(cluster: Cluster, offline: LLM) -> None:
