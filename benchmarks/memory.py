@@ -21,7 +21,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from workloads import DESCRIPTIONS, make_workload
+from workloads import DESCRIPTIONS, benchmark_parser, make_workload
 
 from gpu_worker import LLMEngine, SamplingParams
 from gpu_worker.config import EngineConfig
@@ -96,18 +96,9 @@ def plot(samples: list[dict[str, Any]], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model", default=None, help="model folder or GGUF file (default: SmolLM2-135M-Instruct)"
-    )
+    parser = benchmark_parser(__doc__, "memory")
     parser.add_argument("--kv-budget-mib", type=float, default=512, help="KV budget of both schemes")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiplies request counts and lengths")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="benchmarks/results/memory.json")
-    parser.add_argument("--plot", default="benchmarks/results/memory.png")
     return parser.parse_args(argv)
 
 

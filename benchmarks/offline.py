@@ -35,6 +35,7 @@ from workloads import (
     WORKLOADS,
     ModelShape,
     Workload,
+    benchmark_parser,
     make_workload,
     matmul_flops_per_s,
     median,
@@ -323,25 +324,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model", default=None, help="model folder or GGUF file (default: SmolLM2-135M-Instruct)"
-    )
+    parser = benchmark_parser(__doc__, "offline")
     parser.add_argument(
         "--workloads", nargs="+", default=[*WORKLOADS, EQUAL_MEMORY], choices=[*WORKLOADS, EQUAL_MEMORY]
     )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--scale", type=float, default=1.0, help="multiplies request counts and lengths")
     parser.add_argument("--static-batch-sizes", type=int, nargs="+", default=[16, 64])
     parser.add_argument(
         "--pool-mib", type=int, default=1024, help="KV pool of W1-W3 (pagedserve, continuous)"
     )
     parser.add_argument("--kv-budget-mib", type=float, default=512, help="KV budget of every system in W2eq")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="benchmarks/results/offline.json")
-    parser.add_argument("--plot", default="benchmarks/results/offline.png")
     return parser.parse_args(argv)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from dataclasses import dataclass
@@ -151,3 +152,16 @@ def percentile(values: list[float], q: float) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def benchmark_parser(doc: str | None, name: str) -> argparse.ArgumentParser:
+    """The options every offline benchmark takes; results go to benchmarks/results/<name>.json and .png."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--model", default=None, help="model folder or GGUF file (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies request counts and lengths")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=f"benchmarks/results/{name}.json")
+    parser.add_argument("--plot", default=f"benchmarks/results/{name}.png")
+    return parser
