@@ -41,7 +41,8 @@ check-compose:
 run: $(STAMP)
 	bash scripts/run.sh
 
-# The CUDA extension, ahead of time (needs a CUDA build of torch and nvcc; TORCH_CUDA_ARCH_LIST picks targets).
+# The kernel extensions, ahead of time: the CPU one, and the CUDA one with a CUDA build of torch and nvcc
+# (TORCH_CUDA_ARCH_LIST picks targets). Otherwise each is built on first use and cached.
 kernels: $(STAMP)
 	$(PY) -m kernels.build
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from gpu_worker.block_allocator import BlockAllocator
 from gpu_worker.config import EngineConfig
 from gpu_worker.kv_cache import KVCache
@@ -75,6 +76,8 @@ class LLMEngine:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.tokenizer = load_model(model, self.dtype, self.device)
+        # A first build of the kernels takes a while; done here, it never stalls a step (or a heartbeat).
+        self.compiled_kernels = kernels.load(self.device, self.dtype)
         mc = self.model.config
         num_kv_heads = mc.num_key_value_heads
         head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads

@@ -2,7 +2,8 @@
 
 Each op runs its CUDA kernel (kernels/csrc, built on first use) when its tensors are on a CUDA device, and its
 pure-torch twin from kernels.torch_ops otherwise or where no kernel is compiled for the shape; both share one
-signature. Callers never import torch_ops or the extension directly.
+signature. On the CPU, decode attention in float32 runs a C++ kernel (kernels/csrc/cpu, also built on first
+use) when a compiler is at hand. Callers never import torch_ops or the extensions directly.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from kernels import torch_ops
 
-__all__ = ["copy_blocks", "paged_attention", "write_kv_cache"]
+__all__ = ["copy_blocks", "load", "paged_attention", "write_kv_cache"]
 
 # Kept equal to PAGEDSERVE_FOR_EACH_HEAD_SIZE in csrc/paged_attention.h (a test compares them).
 DECODE_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
@@ -30,6 +31,23 @@ def _cuda_ops(t: Tensor) -> Any | None:
     from kernels.build import load_extension
 
     return load_extension()
+
+
+def _cpu_ops(t: Tensor) -> Any | None:
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    from kernels.build import load_cpu_extension
+
+    return load_cpu_extension()
+
+
+def load(device: torch.device, dtype: torch.dtype) -> bool:
+    """Build or load the compiled ops this device and dtype use, now rather than inside the first step.
+
+    Returns whether compiled ops are in use; without them the pure-torch twins run.
+    """
+    probe = torch.empty(0, device=device, dtype=dtype)
+    return (_cpu_ops(probe) if device.type == "cpu" else _cuda_ops(probe)) is not None
 
 
 def write_kv_cache(
@@ -58,8 +76,11 @@ def paged_attention(
     scale: float,
 ) -> None:
     """Causal attention of each sequence's new query tokens over its whole paged context, written into out."""
-    ops = _cuda_ops(query)
     args = (out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+    if query.device.type == "cpu":
+        _paged_attention_cpu(*args)
+        return
+    ops = _cuda_ops(query)
     compiled = k_cache.shape[3] in DECODE_HEAD_SIZES and k_cache.shape[1] in DECODE_BLOCK_SIZES
     if ops is None or not compiled or query.stride(-1) != 1 or out.stride(-1) != 1:
         torch_ops.paged_attention(*args)
@@ -67,6 +88,36 @@ def paged_attention(
     # The kernel takes the decodes and skips every sequence with more than one query token.
     ops.paged_attention_decode(*args)
     # With one token per sequence there are no prefill chunks: known from shapes, without reading the GPU.
+    if query.shape[0] != seq_lens.shape[0]:
+        torch_ops.prefill_attention(*args)
+
+
+def _paged_attention_cpu(
+    out: Tensor,
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+) -> None:
+    args = (out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+    ops = _cpu_ops(k_cache)
+    usable = (
+        ops is not None
+        and query.dtype == out.dtype == torch.float32
+        and k_cache.shape[3] % 8 == 0
+        and query.stride(-1) == 1
+        and out.stride(-1) == 1
+        and block_table.is_contiguous()
+        and block_table.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
+    )
+    if not usable:
+        torch_ops.paged_attention(*args)
+        return
+    assert ops is not None
+    ops.paged_attention_decode(*args)  # the sequences with one query token
     if query.shape[0] != seq_lens.shape[0]:
         torch_ops.prefill_attention(*args)
 

@@ -1,10 +1,12 @@
-"""Builds the CUDA kernels of kernels/csrc into a torch extension (JIT, cached on disk) and loads them.
+"""Builds the kernels of kernels/csrc into torch extensions (JIT, cached on disk) and loads them.
 
     python -m kernels.build     # ahead of time: `make kernels`, the Docker image
 
-The build targets TORCH_CUDA_ARCH_LIST ("8.0;9.0", "9.0+PTX") when it is set, else the current GPU. The
-extension's name carries a hash of the sources and flags, so an edited header or another architecture
-builds afresh while an unchanged tree loads the cached library in well under a second.
+Two extensions: the CUDA kernels (torch.ops.pagedserve, csrc/*.cu) and the CPU decode attention
+(torch.ops.pagedserve_cpu, csrc/cpu/). The CUDA build targets TORCH_CUDA_ARCH_LIST ("8.0;9.0", "9.0+PTX")
+when it is set, else the current GPU; the CPU build, the vector extensions of the CPU it runs on. Each
+extension's name carries a hash of its sources and flags, so an edited header or another architecture builds
+afresh while an unchanged tree loads the cached library in well under a second.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+CPU_CSRC = CSRC / "cpu"
 SOURCES = [
     "paged_attention_decode.cu",
     "paged_attention_decode_fp32.cu",
@@ -54,11 +57,11 @@ def arch_flags() -> list[str]:
     return flags
 
 
-def extension_name(cuda_flags: list[str]) -> str:
-    digest = hashlib.sha256(" ".join(cuda_flags).encode())
-    for path in sorted(p for p in CSRC.iterdir() if p.is_file()):
+def extension_name(flags: list[str], folder: Path = CSRC, stem: str = "pagedserve_kernels") -> str:
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return f"pagedserve_kernels_{digest.hexdigest()[:12]}"
+    return f"{stem}_{digest.hexdigest()[:12]}"
 
 
 def build(verbose: bool = False) -> str:
@@ -91,11 +94,53 @@ def load_extension() -> Any | None:
     return torch.ops.pagedserve
 
 
+def cpu_flags() -> list[str]:
+    """Compiler flags of the CPU extension: AVX2 and FMA where torch itself runs on them."""
+    flags = ["-O3", "-fopenmp"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def build_cpu(verbose: bool = False) -> str:
+    """Compile (or find in the cache) the CPU extension, load it into torch.ops.pagedserve_cpu."""
+    from torch.utils.cpp_extension import load
+
+    flags = cpu_flags()
+    path = load(
+        name=extension_name(flags, CPU_CSRC, "pagedserve_cpu_kernels"),
+        sources=[str(p) for p in sorted(CPU_CSRC.glob("*.cpp"))],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return str(path)
+
+
+@functools.cache
+def load_cpu_extension() -> Any | None:
+    """torch.ops.pagedserve_cpu (built on first use), or None where it cannot be built (no C++ compiler).
+
+    PAGEDSERVE_CPU_KERNELS=0 keeps the CPU on the pure-torch ops.
+    """
+    if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        build_cpu()
+    except Exception:
+        logger.exception("building the pagedserve CPU kernels failed; using the pure-torch ops")
+        return None
+    return torch.ops.pagedserve_cpu
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO)
+    print(f"kernels.build: CPU kernels, {' '.join(cpu_flags())}", flush=True)
+    print(f"kernels.build: {build_cpu(verbose=True)}")
     if torch.version.cuda is None:
-        print(f"kernels.build: torch {torch.__version__} has no CUDA; nothing to build", file=sys.stderr)
-        return 1
+        print(f"kernels.build: torch {torch.__version__} has no CUDA; no CUDA kernels", file=sys.stderr)
+        return 0
     print(f"kernels.build: building for {' '.join(arch_flags())}", flush=True)
     print(f"kernels.build: {build(verbose=True)}")
     return 0

@@ -14,10 +14,12 @@ export HF_HUB_OFFLINE=1
 
 pids=()
 stop_all() {
+  local status=$?
   trap - INT TERM EXIT
   echo "stopping..."
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  exit "$status"  # also out of the wait for /ready, should the signal come during start-up
 }
 trap stop_all INT TERM EXIT
 

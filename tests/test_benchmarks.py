@@ -1,4 +1,4 @@
-"""Smoke runs of the offline benchmarks on the tiny random model: they run, and their JSON makes sense."""
+"""Smoke runs of the benchmarks on the tiny random model: they run, and their JSON makes sense."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
+import requests
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import memory
 import offline
+import serving
 from workloads import ModelShape, make_workload
 
 
@@ -101,3 +104,37 @@ def test_offline_throughput_smoke(tiny_model_path: str, tmp_path: Path) -> None:
     assert set(rows) == {"pagedserve", "static generate() batch=2"}
     assert all(r["output_tokens_per_s"] > 0 for r in rows.values())
     assert rows["static generate() batch=2"]["speedup_vs_best_static"] == 1.0
+
+
+def test_serving_one_command_smoke(
+    tiny_model_path: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serving.main starts its own services with scripts/run.sh, measures both paths, and leaves nothing."""
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("NUM_KV_BLOCKS", "64")  # read by the worker and, from the same variable, the engine
+    monkeypatch.setenv("GATEWAY_WORKERS", "1")
+    # One thread in the services and in-process alike: two-thread steps crawl when the cores are busy.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out, png = tmp_path / "serving.json", tmp_path / "serving.png"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = serving.main(
+            ["--model", tiny_model_path, "--num-prompts", "4", "--max-tokens", "4", "--input-len", "8", "16",
+             "--request-rates", "inf", "--concurrency", "2", "--json", str(out), "--plot", str(png)]
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(out.read_text()) == results
+    assert png.stat().st_size > 0 and (tmp_path / "serving.log").stat().st_size > 0
+    assert results["num_kv_blocks"] == {"worker": 64, "offline": 64}
+    assert [row["scenario"] for row in results["scenarios"]] == ["rate inf", "concurrency 2"]
+    for row in results["scenarios"]:
+        for path in ("gateway", "offline"):
+            assert row[path]["num_failed"] == 0 and row[path]["num_output_tokens"] == 4 * 4
+            itl = row[path]["itl_ms"]
+            assert 0 < itl["p50"] <= itl["p90"] <= itl["p99"]
+    # The services are gone, and so is every key under their prefix.
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{results['url']}/health", timeout=2)
+    assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{results['redis_prefix']}:*"))

@@ -20,10 +20,12 @@ import openai
 import pytest
 import redis
 import requests
+import torch
 
-from gpu_worker import LLM, SamplingParams
+from gpu_worker import LLM, LLMEngine, SamplingParams
 from shared.keys import Keys
 from shared.protocol import Heartbeat
+from shared.settings import WorkerSettings
 
 MODEL_NAME = "tiny-llama"
 NUM_KV_BLOCKS = 128
@@ -376,20 +378,51 @@ def test_metrics_and_models(cluster: Cluster) -> None:
     assert 'worker="w1"' in text and 'worker="w2"' in text
 
 
-def test_serving_latency_benchmark_smoke(cluster: Cluster, offline: LLM) -> None:
-    """The serving benchmark's two paths, tiny, so the script cannot rot."""
+def test_serving_benchmark_smoke(cluster: Cluster, tiny_model_path: str, tmp_path: Path) -> None:
+    """The serving benchmark's two paths, tiny, so it cannot rot: one Poisson rate, one concurrency."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import serving_latency
+    import serving
 
-    prompts = serving_latency.make_prompts(4, offline.engine.vocab_size, seed=1)
-    results = {
-        "gateway": serving_latency.through_gateway(cluster.base_url, MODEL_NAME, prompts, 4, 2),
-        "offline": serving_latency.offline(offline.engine, prompts, 4, 2),
-    }
-    for r in results.values():
-        assert r["output_tokens_per_s"] > 0
-        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
-        assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"]
+    # The worker's settings as the cluster's environment gives them; the engine is built as main() builds it.
+    settings = WorkerSettings(model=tiny_model_path, num_kv_blocks=NUM_KV_BLOCKS)
+    config = serving.engine_config(settings)
+    assert config.num_kv_blocks == NUM_KV_BLOCKS and serving.engine_config(settings, 7).num_kv_blocks == 7
+    engine = LLMEngine(settings.model, config, dtype=settings.dtype, device=settings.device)
+    scenarios = serving.make_scenarios(4, [20.0], 2, seed=0)
+    assert [s.name for s in scenarios] == ["rate 20/s", "concurrency 2"]
+    arrivals = scenarios[0].arrivals
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
+    assert arrivals == serving.make_scenarios(4, [20.0], 2, seed=0)[0].arrivals
+    client = cluster.client()
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the cluster's workers run (OMP_NUM_THREADS=1)
+    try:
+        for k, scenario in enumerate(scenarios):
+            prompts = serving.make_prompts(4, engine.vocab_size, (8, 16), seed=k)
+            gateway = serving.run_gateway(client, MODEL_NAME, prompts, scenario, 4)
+            rows.append(serving.compare(scenario, gateway, serving.run_offline(engine, prompts, scenario, 4)))
+    finally:
+        torch.set_num_threads(threads)
+    assert not engine.has_unfinished_requests() and not engine.requests
+    for row in rows:
+        for path in ("gateway", "offline"):
+            r = row[path]
+            assert r["num_failed"] == 0, r["errors"]
+            assert r["num_output_tokens"] == 4 * 4 and r["tokens_per_chunk"] >= 1
+            assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["duration_s"] > 0
+            for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+                m = r[metric]
+                assert 0 < m["p50"] <= m["p90"] <= m["p99"], (path, metric, m)
+            assert r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
+        assert set(row["overhead"]) == {
+            "itl_p99_added_ms", "output_throughput_ratio", "itl_target_met", "throughput_target_met"
+        }  # fmt: skip
+    png = tmp_path / "serving.png"
+    serving.plot(rows, png)
+    assert png.stat().st_size > 0
+    serving.print_table(rows)
+    assert json.loads(json.dumps(rows)) == rows
 
 
 def test_killed_worker_resumes_on_the_other(cluster: Cluster, offline: LLM) -> None:

@@ -3,17 +3,41 @@
 from __future__ import annotations
 
 import random
+import shutil
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from kernels import copy_blocks, paged_attention, write_kv_cache
+import kernels
+from kernels import copy_blocks, paged_attention, torch_ops, write_kv_cache
+from kernels.build import load_cpu_extension
 
 HEADS = [(4, 4), (9, 3), (8, 2)]  # (num_heads, num_kv_heads): GQA ratios 1, 3, 4
+
+
+TWIN_DECODE = torch_ops._decode_batch
+
+
+@pytest.fixture(autouse=True, params=["torch", "cpu-kernel"])
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on the pure-torch ops and again with decode attention in the CPU C++ kernel."""
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "_cpu_ops", lambda t: None)
+    else:
+        if shutil.which("c++") is None:
+            pytest.skip("no C++ compiler for the CPU kernel")
+        assert load_cpu_extension() is not None, "the CPU kernel failed to build (see the log)"
+
+        def no_twin(*args: object) -> None:
+            raise AssertionError("float32 decodes on the CPU must run in the C++ kernel")
+
+        # Half precision stays on the twin; float32 decodes must never reach it.
+        monkeypatch.setattr(torch_ops, "_decode_batch", no_twin)
+    return str(request.param)
 
 
 def dense_attention(
@@ -180,13 +204,14 @@ def test_batch_shapes(num_heads: int, num_kv_heads: int, specs: list[tuple[int, 
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
-def test_half_precision(dtype: torch.dtype, atol: float) -> None:
+def test_half_precision(dtype: torch.dtype, atol: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ops run in the input dtype; results stay close to the float64 reference."""
+    monkeypatch.setattr(torch_ops, "_decode_batch", TWIN_DECODE)  # the C++ kernel is float32 only
     batch = make_batch(mixed_specs(16, 3), 9, 3, 64, 16, seed=3, dtype=dtype)
     run_and_check(batch, 64**-0.5, atol=atol, rtol=2e-2)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     specs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=6),
     heads=st.sampled_from(HEADS),

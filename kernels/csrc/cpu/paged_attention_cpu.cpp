@@ -1,0 +1,166 @@
+// Paged decode attention on the CPU: torch.ops.pagedserve_cpu.paged_attention_decode.
+//
+// The pure-torch twin gathers every decode sequence's context into a padded copy and runs SDPA over it, which
+// on a CPU costs more than the attention itself. Here each (sequence, KV head) pair reads its K and V rows once,
+// straight from the pool through the block table, for all query heads that share that KV head. fp32 only; the
+// Python side keeps other dtypes, and head sizes that are not a multiple of 8, on the twin. Each sequence's
+// K and V rows are read once for all query heads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+#define PAGEDSERVE_CHECK(cond, ...) TORCH_CHECK(cond, "pagedserve: ", __VA_ARGS__)
+
+constexpr int64_t kLanes = 8;  // one AVX2 register of floats; head_size must be a multiple of it
+
+// Dot product in kLanes independent partial sums, so the compiler vectorizes it without reassociating floats.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float partial[kLanes] = {};
+  for (int64_t d = 0; d < n; d += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) partial[j] += a[d + j] * b[d + j];
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) sum += partial[j];
+  return sum;
+}
+
+inline void axpy(float* y, float alpha, const float* x, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] += alpha * x[d];
+}
+
+void check_index(const Tensor& t, const char* name, int64_t dim) {
+  PAGEDSERVE_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  PAGEDSERVE_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  PAGEDSERVE_CHECK(t.dim() == dim && t.is_contiguous(), name, " must be a contiguous ", dim, "-d tensor");
+}
+
+void check_float(const Tensor& t, const char* name) {
+  PAGEDSERVE_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  PAGEDSERVE_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  PAGEDSERVE_CHECK(t.stride(-1) == 1, name, " must be contiguous in head_size");
+}
+
+// Every sequence with exactly one new query token attends over its whole context; sequences with more are
+// skipped (their rows of out are left as they are).
+void paged_attention_decode(Tensor& out,                    // [num_tokens, num_heads, head_size]
+                            const Tensor& query,            // [num_tokens, num_heads, head_size]
+                            const Tensor& k_cache,          // [num_blocks, block_size, num_kv_heads, head_size]
+                            const Tensor& v_cache,          // [num_blocks, block_size, num_kv_heads, head_size]
+                            const Tensor& block_table,      // [num_seqs, max_num_blocks_per_seq] int32
+                            const Tensor& seq_lens,         // [num_seqs] int32
+                            const Tensor& query_start_loc,  // [num_seqs + 1] int32
+                            double scale) {
+  check_float(out, "out");
+  check_float(query, "query");
+  check_float(k_cache, "k_cache");
+  check_float(v_cache, "v_cache");
+  check_index(block_table, "block_table", 2);
+  check_index(seq_lens, "seq_lens", 1);
+  check_index(query_start_loc, "query_start_loc", 1);
+  PAGEDSERVE_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
+                   "query and out must be [num_tokens, num_heads, head_size]");
+  PAGEDSERVE_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                       k_cache.strides() == v_cache.strides(),
+                   "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_size] alike");
+  const int64_t num_seqs = seq_lens.size(0), num_heads = query.size(1);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2), head_size = k_cache.size(3);
+  PAGEDSERVE_CHECK(query.size(2) == head_size, "query head_size ", query.size(2), ", cache ", head_size);
+  PAGEDSERVE_CHECK(head_size % kLanes == 0, "head_size must be a multiple of ", kLanes, ", got ", head_size);
+  PAGEDSERVE_CHECK(num_heads % num_kv_heads == 0, num_heads, " query heads over ", num_kv_heads, " KV heads");
+  PAGEDSERVE_CHECK(block_table.size(0) == num_seqs && query_start_loc.size(0) == num_seqs + 1,
+                   "block_table, seq_lens and query_start_loc disagree on the number of sequences");
+
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t max_blocks = block_table.size(1);
+  std::vector<int64_t> decodes;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (starts[s + 1] - starts[s] != 1) continue;
+    PAGEDSERVE_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "sequence ", s, " has context ",
+                     lens[s], " beyond its ", max_blocks, " blocks of ", block_size);
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+      const int32_t block = table[s * max_blocks + b];
+      PAGEDSERVE_CHECK(block >= 0 && block < num_blocks, "sequence ", s, " maps to block ", block);
+    }
+    decodes.push_back(s);
+  }
+
+  const int64_t group = num_heads / num_kv_heads;
+  const float* q_base = query.data_ptr<float>();
+  float* out_base = out.data_ptr<float>();
+  const float* k_base = k_cache.data_ptr<float>();
+  const float* v_base = v_cache.data_ptr<float>();
+  const int64_t q_token = query.stride(0), q_head = query.stride(1);
+  const int64_t o_token = out.stride(0), o_head = out.stride(1);
+  const int64_t c_block = k_cache.stride(0), c_token = k_cache.stride(1), c_head = k_cache.stride(2);
+  const auto fscale = static_cast<float>(scale);
+
+  // One work item per sequence: its K rows, then its V rows, are read in order, all KV heads of a token at once
+  // (one contiguous row of the block), so each cache line is fetched once and the prefetcher sees a stream.
+  at::parallel_for(0, static_cast<int64_t>(decodes.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, max_score(num_heads), sum(num_heads), acc(num_heads * head_size);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = decodes[item];
+      const int64_t ctx = lens[s], token = starts[s];
+      const int32_t* row = table + s * max_blocks;
+      const float* q_token_base = q_base + token * q_token;
+      scores.resize(num_heads * ctx);
+      std::fill(max_score.begin(), max_score.end(), -std::numeric_limits<float>::infinity());
+      // Pass 1: scores of every query head against every K row.
+      for (int64_t pos = 0; pos < ctx; ++pos) {
+        const int64_t block = row[pos / block_size];  // widened before the stride multiply
+        const float* k_row = k_base + block * c_block + (pos % block_size) * c_token;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float score = dot(q_token_base + h * q_head, k_row + (h / group) * c_head, head_size) * fscale;
+          scores[h * ctx + pos] = score;
+          max_score[h] = std::max(max_score[h], score);
+        }
+      }
+      // Pass 2: softmax weights.
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* sc = scores.data() + h * ctx;
+        float total = 0.f;
+        for (int64_t pos = 0; pos < ctx; ++pos) {
+          sc[pos] = std::exp(sc[pos] - max_score[h]);
+          total += sc[pos];
+        }
+        sum[h] = total;
+      }
+      // Pass 3: the weighted sum of the V rows.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t pos = 0; pos < ctx; ++pos) {
+        const int64_t block = row[pos / block_size];
+        const float* v_row = v_base + block * c_block + (pos % block_size) * c_token;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          axpy(acc.data() + h * head_size, scores[h * ctx + pos], v_row + (h / group) * c_head, head_size);
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* o = out_base + token * o_token + h * o_head;
+        const float inv = 1.f / sum[h];
+        for (int64_t d = 0; d < head_size; ++d) o[d] = acc[h * head_size + d] * inv;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def(
+      "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention_decode", &paged_attention_decode); }
