@@ -8,12 +8,14 @@ from transformers import PreTrainedModel
 from gpu_worker.attention import AttentionMetadata
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.scheduler import SchedulerOutput
+from gpu_worker.vocab_projection import use_vocab_projection
 
 
 class ModelRunner:
     """One forward per step over all scheduled tokens, no padding; logits only where a token is sampled."""
 
     def __init__(self, model: PreTrainedModel, kv_cache: KVCache) -> None:
+        use_vocab_projection(model)
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
