@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,9 @@ from shared.settings import WorkerSettings
 logger = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 100  # how long an idle worker waits on its inbox before looking at aborts and heartbeats
+# A step running longer than this is taken as hung: the heartbeat is no longer kept alive, the worker is
+# declared dead and its requests move on. Far above any real step (a 2048-token CPU prefill takes seconds).
+MAX_STEP_S = 300.0
 
 
 @dataclass(slots=True)
@@ -76,29 +80,55 @@ class WorkerService:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.stopping = False
+        self.step_started: float | None = None  # monotonic start of the step in progress
+        self._keep_alive_stop = threading.Event()
         self.aborts = self.redis.pubsub(ignore_subscribe_messages=True)
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
     def register(self) -> None:
+        self._create_group()
+        self.aborts.subscribe(self.keys.aborts)
+        self.heartbeat()
+        logger.info("worker %s ready: %d KV blocks", self.worker_id, self.engine.allocator.num_blocks)
+
+    def _create_group(self) -> None:
         try:
             self.redis.xgroup_create(self.keys.inbox(self.worker_id), WORKER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
-        self.aborts.subscribe(self.keys.aborts)
-        self.heartbeat()
-        logger.info("worker %s ready: %d KV blocks", self.worker_id, self.engine.allocator.num_blocks)
+
+    def keep_alive(self) -> None:
+        """Extend the heartbeat's TTL every interval, also while a step outlasts it (a long CPU prefill).
+
+        Runs on its own thread; the full heartbeat still comes from the loop between steps. EXPIRE never
+        recreates a heartbeat the scheduler has removed, and a step past MAX_STEP_S is left to expire.
+        """
+        key = self.keys.worker(self.worker_id)
+        ttl = max(1, int(self.settings.heartbeat_ttl_s + 0.999))
+        while not self._keep_alive_stop.wait(self.settings.heartbeat_interval_s):
+            started = self.step_started
+            if started is not None and time.monotonic() - started > MAX_STEP_S:
+                continue
+            try:
+                self.redis.expire(key, ttl)
+            except redis.RedisError as e:  # the loop's own heartbeat reports a Redis that stays away
+                logger.debug("keep-alive failed: %s", e)
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT; then drop the heartbeat so the scheduler re-queues our requests."""
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         self.register()
+        keeper = threading.Thread(target=self.keep_alive, name="keep-alive", daemon=True)
+        keeper.start()
         try:
             while not self.stopping:
                 self.run_once()
         finally:
+            self._keep_alive_stop.set()
+            keeper.join()
             self.redis.delete(self.keys.worker(self.worker_id))
             self.aborts.close()
 
@@ -111,6 +141,7 @@ class WorkerService:
         taken = self._read_inbox(block_ms=None if busy else IDLE_BLOCK_MS)
         self._apply_aborts()
         if self.engine.has_unfinished_requests():
+            self.step_started = time.monotonic()
             try:
                 seqs = self.engine.step()
             except Exception:
@@ -119,6 +150,8 @@ class WorkerService:
             else:
                 self.last_step_time = time.time()
                 self._publish(seqs)
+            finally:
+                self.step_started = None
         if taken or time.monotonic() - self.last_heartbeat >= self.settings.heartbeat_interval_s:
             self.heartbeat()
 
@@ -126,9 +159,15 @@ class WorkerService:
 
     def _read_inbox(self, block_ms: int | None) -> int:
         inbox = self.keys.inbox(self.worker_id)
-        reply: Any = self.redis.xreadgroup(
-            WORKER_GROUP, self.worker_id, {inbox: ">"}, count=64, block=block_ms
-        )
+        try:
+            reply: Any = self.redis.xreadgroup(
+                WORKER_GROUP, self.worker_id, {inbox: ">"}, count=64, block=block_ms
+            )
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self._rejoin()
+            return 0
         entries = [(eid.decode(), fields[b"data"]) for _, messages in reply or [] for eid, fields in messages]
         if not entries:
             return 0
@@ -148,6 +187,21 @@ class WorkerService:
         pipe.execute()
         self.inbox_last_id = entries[-1][0]
         return len(entries)
+
+    def _rejoin(self) -> None:
+        """The scheduler took this worker for dead and re-queued its requests: drop them, register again."""
+        logger.warning(
+            "worker %s was declared dead (its heartbeat lapsed); dropping %d re-queued requests, rejoining",
+            self.worker_id,
+            len(self.active),
+        )
+        for active in self.active.values():
+            for engine_id in active.engine_ids:
+                self.engine.abort_request(engine_id)
+                self.engine_ids.pop(engine_id, None)
+        self.active.clear()
+        self._create_group()
+        self.heartbeat()
 
     def _start(self, request: GenerateRequest, pipe: Any) -> None:
         rid = request.request_id

@@ -14,8 +14,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
+import cpu_kernel_bench
 import memory
 import offline
+import profile_steps
 import serving
 from workloads import ModelShape, make_workload
 
@@ -138,3 +140,33 @@ def test_serving_one_command_smoke(
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{results['url']}/health", timeout=2)
     assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{results['redis_prefix']}:*"))
+
+
+def test_profile_steps_smoke(tiny_model_path: str, tmp_path: Path) -> None:
+    out, png = tmp_path / "profile.json", tmp_path / "profile.png"
+    results = profile_steps.main(
+        ["--model", tiny_model_path, "--scale", "0.125", "--static-batch-size", "4", "--json", str(out),
+         "--plot", str(png)]
+    )  # fmt: skip
+    assert json.loads(out.read_text())["fit"] == results["fit"]
+    assert png.stat().st_size > 0
+    # W2 at 1/8: 8 requests of 2-32 prompt and output tokens; every token is run once.
+    wl = make_workload("W2", 1000, scale=0.125)
+    assert results["paged"]["tokens"] == sum(map(len, wl.prompts)) + sum(wl.output_lens) - len(wl.prompts)
+    assert sum(n for n, _ in results["step_log"]) == results["paged"]["tokens"]
+    assert results["paged"]["steps"] >= max(wl.output_lens)
+    # Static batches of 4 pad every row to its batch's longest prompt and output: never fewer tokens.
+    assert results["static_over_paged_ceiling"] > 1
+    assert results["top_ops"] and all(0 < op["share"] <= 1 for op in results["top_ops"])
+
+
+def test_cpu_kernel_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "cpu.json"
+    results = cpu_kernel_bench.main(
+        ["--batches", "1", "3", "--contexts", "20", "--layers", "2", "--head-rows", "1", "4",
+         "--vocab", "512", "--repeats", "1", "--json", str(out)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == results
+    assert [(r["batch"], r["context"]) for r in results["attention"]] == [(1, 20), (3, 20)]
+    assert all(r["kernel_ms"] > 0 and r["twin_ms"] > 0 for r in results["attention"])
+    assert [r["rows"] for r in results["lm_head"]] == [1, 4]

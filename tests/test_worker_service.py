@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -165,3 +166,51 @@ def test_assignment_of_an_aborted_request_is_dropped(worker: WorkerService) -> N
     assert not worker.active
     assert not client.hexists(keys.assigned("w1"), "r6")
     assert client.xpending(keys.inbox("w1"), "worker")["pending"] == 0
+
+
+def test_heartbeat_outlives_a_step_longer_than_its_ttl(
+    worker: WorkerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long step (a big CPU prefill) must not read as a dead worker: the keep-alive extends the TTL."""
+    client, keys = worker.redis, worker.keys
+    worker.settings = worker.settings.model_copy(update={"heartbeat_ttl_s": 1.0, "heartbeat_interval_s": 0.2})
+    worker.heartbeat()
+    step = worker.engine.step
+    alive_after_step: list[bool] = []
+
+    def slow_step() -> list:  # type: ignore[type-arg]
+        time.sleep(2.5)
+        alive_after_step.append(bool(client.exists(keys.worker("w1"))))
+        return step()
+
+    monkeypatch.setattr(worker.engine, "step", slow_step)
+    keeper = threading.Thread(target=worker.keep_alive, daemon=True)
+    keeper.start()
+    try:
+        assign(client, keys, request("r7", max_tokens=1))
+        worker.run_once()
+    finally:
+        worker._keep_alive_stop.set()
+        keeper.join()
+    assert alive_after_step == [True], "the heartbeat lapsed during the step"
+    assert not worker.active
+    # Without the loop's own heartbeats and the thread, the key then expires as before.
+    time.sleep(1.5)
+    assert not client.exists(keys.worker("w1"))
+
+
+def test_worker_declared_dead_drops_its_requests_and_rejoins(worker: WorkerService) -> None:
+    """What failover does to a worker the scheduler took for dead; the worker carries on, not crash."""
+    client, keys = worker.redis, worker.keys
+    assign(client, keys, request("r8", max_tokens=500))
+    worker.run_once()
+    assert worker.active
+    client.delete(keys.inbox("w1"), keys.assigned("w1"), keys.worker("w1"))
+    client.srem(keys.workers, "w1")
+    worker.run_once()
+    assert not worker.active and not worker.engine.requests
+    assert client.sismember(keys.workers, "w1") and client.exists(keys.worker("w1"))
+    # And it takes new work again.
+    pubsub = subscribe(client, keys, "r9")
+    assign(client, keys, request("r9"))
+    assert collect(worker, pubsub, 1)[-1].finish_reason == "length"

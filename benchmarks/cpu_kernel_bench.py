@@ -1,0 +1,123 @@
+"""The CPU hot spots against what they replace, in the same run: decode attention and the LM head.
+
+    .venv/bin/python benchmarks/cpu_kernel_bench.py                 # the grid in the README
+    .venv/bin/python benchmarks/cpu_kernel_bench.py --batches 8 --contexts 256 --layers 4
+
+Decode attention at SmolLM2's shape (9 query heads over 3 KV heads, head size 64, block size 16, fp32), every
+sequence's blocks shuffled through the pool: the C++ kernel (torch.ops.pagedserve_cpu) against its pure-torch
+twin (gather the context, then SDPA). Each timed call goes through --layers pools in turn, as a forward pass
+reads every layer's K/V once, so caches are cold as in a model; the time is per layer, best of --repeats.
+The LM head ([vocab, hidden] = [49152, 576]): F.linear against VocabProjection's W @ x^T for a few row counts.
+Prints both tables; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from gpu_worker.vocab_projection import VocabProjection
+from kernels import torch_ops
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
+VOCAB, HIDDEN = 49152, 576
+
+
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return 1000 * best
+
+
+def attention_case(batch: int, context: int, layers: int, repeats: int) -> dict[str, Any]:
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
+    block_table = torch.randperm(num_blocks, dtype=torch.int32).view(batch, blocks_per_seq).contiguous()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32)
+    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE)
+    out_kernel, out_twin = torch.empty_like(query), torch.empty_like(query)
+    meta = (block_table, seq_lens, query_start_loc, HEAD_SIZE**-0.5)
+
+    def kernel() -> None:
+        for k, v in caches:
+            kernels.paged_attention(out_kernel, query, k, v, *meta)
+
+    def twin() -> None:
+        for k, v in caches:
+            torch_ops.paged_attention(out_twin, query, k, v, *meta)
+
+    kernel_ms, twin_ms = best_ms(kernel, repeats) / layers, best_ms(twin, repeats) / layers
+    torch.testing.assert_close(out_kernel, out_twin, atol=1e-5, rtol=1e-5)
+    return {"batch": batch, "context": context, "kernel_ms": kernel_ms, "twin_ms": twin_ms,
+            "speedup": twin_ms / kernel_ms}  # fmt: skip
+
+
+def lm_head_case(rows: int, repeats: int, weight: torch.Tensor) -> dict[str, Any]:
+    x = torch.randn(1, rows, weight.shape[1])
+    head = VocabProjection(nn.Linear(weight.shape[1], weight.shape[0], bias=False))
+    head.weight = nn.Parameter(weight, requires_grad=False)
+    linear_ms = best_ms(lambda: F.linear(x, weight), repeats)
+    projection_ms = best_ms(lambda: head(x), repeats)
+    return {"rows": rows, "linear_ms": linear_ms, "projection_ms": projection_ms,
+            "speedup": linear_ms / projection_ms}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--layers", type=int, default=30, help="pools gone through per timed call")
+    parser.add_argument("--head-rows", type=int, nargs="+", default=[1, 2, 8, 32, 64])
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default="benchmarks/results/cpu_kernel_bench.json")
+    args = parser.parse_args(argv)
+    with torch.inference_mode():
+        assert kernels.load(torch.device("cpu"), torch.float32), "the CPU kernel did not build; see the log"
+        attention = [
+            attention_case(b, c, args.layers, args.repeats) for b in args.batches for c in args.contexts
+        ]
+        weight = torch.randn(args.vocab, HIDDEN)
+        lm_head = [lm_head_case(r, args.repeats, weight) for r in args.head_rows]
+    print(f"decode attention per layer, {torch.get_num_threads()} threads, cold caches")
+    print(f"{'batch':>5} {'context':>7} {'kernel ms':>10} {'twin ms':>8} {'speedup':>8}")
+    for r in attention:
+        row = f"{r['batch']:5d} {r['context']:7d} {r['kernel_ms']:10.3f} {r['twin_ms']:8.3f}"
+        print(f"{row} {r['speedup']:7.1f}x")
+    print(f"LM head [{args.vocab}, {HIDDEN}]")
+    print(f"{'rows':>5} {'F.linear ms':>12} {'W @ x^T ms':>11} {'speedup':>8}")
+    for r in lm_head:
+        print(f"{r['rows']:5d} {r['linear_ms']:12.2f} {r['projection_ms']:11.2f} {r['speedup']:7.1f}x")
+    results = {
+        "args": vars(args),
+        "threads": torch.get_num_threads(),
+        "attention": attention,
+        "lm_head": lm_head,
+    }
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
