@@ -27,9 +27,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# The tests start their own redis-server when none answers at REDIS_URL; make sure the binary exists.
+# The tests start their own redis-server when none answers at REDIS_URL, and the engine builds its CPU
+# kernel with the C++ compiler: make sure both exist.
 test: $(STAMP) lint check-compose
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	@command -v c++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
 	$(PY) -m pytest -q
 
 # Debian's docker-compose validates the compose file without a Docker engine.
