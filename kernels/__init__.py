@@ -21,6 +21,8 @@ __all__ = ["copy_blocks", "load", "paged_attention", "write_kv_cache"]
 DECODE_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 DECODE_BLOCK_SIZES = (8, 16, 32)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The CPU kernel's head size: a multiple of its vector width (kLanes in csrc/cpu/paged_attention_cpu.cpp).
+CPU_HEAD_SIZE_MULTIPLE = 8
 
 
 def _cuda_ops(t: Tensor) -> Any | None:
@@ -77,49 +79,29 @@ def paged_attention(
 ) -> None:
     """Causal attention of each sequence's new query tokens over its whole paged context, written into out."""
     args = (out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
-    if query.device.type == "cpu":
-        _paged_attention_cpu(*args)
-        return
-    ops = _cuda_ops(query)
-    compiled = k_cache.shape[3] in DECODE_HEAD_SIZES and k_cache.shape[1] in DECODE_BLOCK_SIZES
-    if ops is None or not compiled or query.stride(-1) != 1 or out.stride(-1) != 1:
+    decode = _decode_kernel(out, query, k_cache, block_table)
+    if decode is None:
         torch_ops.paged_attention(*args)
         return
     # The kernel takes the decodes and skips every sequence with more than one query token.
-    ops.paged_attention_decode(*args)
-    # With one token per sequence there are no prefill chunks: known from shapes, without reading the GPU.
+    decode(*args)
+    # With one token per sequence there are no prefill chunks: known from shapes, without reading the device.
     if query.shape[0] != seq_lens.shape[0]:
         torch_ops.prefill_attention(*args)
 
 
-def _paged_attention_cpu(
-    out: Tensor,
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    scale: float,
-) -> None:
-    args = (out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
-    ops = _cpu_ops(k_cache)
-    usable = (
-        ops is not None
-        and query.dtype == out.dtype == torch.float32
-        and k_cache.shape[3] % 8 == 0
-        and query.stride(-1) == 1
-        and out.stride(-1) == 1
-        and block_table.is_contiguous()
-        and block_table.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
-    )
-    if not usable:
-        torch_ops.paged_attention(*args)
-        return
-    assert ops is not None
-    ops.paged_attention_decode(*args)  # the sequences with one query token
-    if query.shape[0] != seq_lens.shape[0]:
-        torch_ops.prefill_attention(*args)
+def _decode_kernel(out: Tensor, query: Tensor, k_cache: Tensor, block_table: Tensor) -> Any | None:
+    """The compiled decode-attention op for these tensors (CUDA or CPU), or None where only the twin runs."""
+    if query.stride(-1) != 1 or out.stride(-1) != 1:
+        return None
+    if query.device.type == "cpu":
+        ops = _cpu_ops(k_cache)  # float32 caches only
+        fits = query.dtype == out.dtype == k_cache.dtype and k_cache.shape[3] % CPU_HEAD_SIZE_MULTIPLE == 0
+        fits = fits and block_table.is_contiguous()
+    else:
+        ops = _cuda_ops(query)
+        fits = k_cache.shape[3] in DECODE_HEAD_SIZES and k_cache.shape[1] in DECODE_BLOCK_SIZES
+    return ops.paged_attention_decode if ops is not None and fits else None
 
 
 def copy_blocks(
