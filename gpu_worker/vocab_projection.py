@@ -2,8 +2,7 @@
 
 With few rows to project (a decode step samples one token per sequence), the CPU BLAS behind F.linear
 spends more time repacking the [vocab, hidden] weight than multiplying; the transposed product walks the
-weight once. Measured on a 2-core AVX2 machine for SmolLM2's [49152, 576] head: 2 rows 35 -> 10 ms, 8 rows
-57 -> 23 ms, 32 rows 84 -> 38 ms; 12% off a whole mixed-length run (W2).
+weight once (`benchmarks/cpu_kernel_bench.py` times both for SmolLM2's [49152, 576] head).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from gpu_worker import LLM
-from gpu_worker.vocab_projection import VocabProjection
+from gpu_worker.vocab_projection import VocabProjection, use_vocab_projection
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -22,10 +23,18 @@ def test_matches_linear(num_rows: int, bias: bool) -> None:
     torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
 
 
-def test_engine_uses_it_with_the_tied_weight(tiny_model_path: str) -> None:
+def test_engine_installs_it(tiny_model_path: str) -> None:
     llm = LLM(tiny_model_path, num_kv_blocks=64)
-    model = llm.engine.model
+    assert isinstance(llm.engine.model.get_output_embeddings(), VocabProjection)
+
+
+def test_a_tied_head_keeps_sharing_the_embedding() -> None:
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    use_vocab_projection(model)
     head = model.get_output_embeddings()
     assert isinstance(head, VocabProjection)
-    if model.config.tie_word_embeddings:
-        assert head.weight is model.get_input_embeddings().weight
+    assert head.weight is model.get_input_embeddings().weight
