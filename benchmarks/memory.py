@@ -50,7 +50,7 @@ def trace(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int]) -
         engine.step()
         step += 1
         stats = engine.stats()
-        running = engine.scheduler.running
+        running = engine.step_scheduler.running
         reserved = sum(seq.num_prompt_tokens + (seq.params.max_tokens or 0) for seq in running)
         samples.append(
             {

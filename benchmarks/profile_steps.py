@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from workloads import Workload, benchmark_parser, make_workload
 
 from gpu_worker import LLMEngine, SamplingParams
-from gpu_worker.scheduler import SchedulerOutput
+from gpu_worker.step_scheduler import StepSchedule
 
 
 def run_steps(engine: LLMEngine, workload: Workload, tag: str) -> list[tuple[int, float]]:
@@ -40,7 +40,7 @@ def run_steps(engine: LLMEngine, workload: Workload, tag: str) -> list[tuple[int
     tokens: list[int] = []
     run = engine.runner.run
 
-    def counting_run(out: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
+    def counting_run(out: StepSchedule, sample_rows: list[int]) -> torch.Tensor:
         tokens.append(sum(out.num_new_tokens))
         return run(out, sample_rows)
 

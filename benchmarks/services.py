@@ -16,9 +16,9 @@ from pathlib import Path
 
 import redis
 
+from gpu_worker.settings import WorkerSettings
 from shared.keys import Keys
 from shared.protocol import Heartbeat
-from shared.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600  # a GGUF model is de-quantized on the first start

@@ -51,9 +51,9 @@ from services import Services, worker_blocks
 from transformers import AutoConfig
 from workloads import FIRST_TOKEN_ID, percentile
 
-from gpu_worker import EngineConfig, LLMEngine, SamplingParams
+from gpu_worker import LLMEngine, SamplingParams
 from gpu_worker.model_loader import resolve_model_path
-from shared.settings import WorkerSettings
+from gpu_worker.settings import WorkerSettings, engine_config
 
 TARGETS = {"itl_p99_added_ms": 2.0, "output_throughput_ratio": 0.95}
 
@@ -177,13 +177,6 @@ def run_offline(
                 engine.release(seq.request_id)
                 results[i] = timed(sent[i], times[i], now, seq.num_output_tokens, max_tokens)
     return results
-
-
-def engine_config(settings: WorkerSettings, num_kv_blocks: int | None = None) -> EngineConfig:
-    """The worker's EngineConfig: every field it takes from its settings; num_kv_blocks pins the pool."""
-    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name in WorkerSettings.model_fields]
-    config = EngineConfig(**{name: getattr(settings, name) for name in names})
-    return dataclasses.replace(config, num_kv_blocks=num_kv_blocks or config.num_kv_blocks)
 
 
 def stats(values: list[float]) -> dict[str, float]:
@@ -320,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"gateway: {scenario.name} done", flush=True)
         blocks = worker_blocks(settings.redis_url, services.keys if services else settings.keys)
     # Services of our own have stopped here, so the engine can take a pool the worker's size.
-    config = engine_config(settings, blocks if services else None)
+    config = engine_config(settings, **({"num_kv_blocks": blocks} if services else {}))
     engine = LLMEngine(settings.model, config, dtype=settings.dtype, device=settings.device)
     run_offline(engine, warm_prompts, warm_up, 4)
     rows = [
@@ -332,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": resolve_model_path(settings.model),
         "device": str(engine.device),
         "url": url,
-        "engine_config": dataclasses.asdict(config),
+        "engine_config": config.model_dump(),
         "num_kv_blocks": {"worker": blocks, "offline": engine.allocator.num_blocks},
         "redis_prefix": services.keys.prefix if services else None,
         "redis_keys_left_by_services": services.keys_left if services else None,

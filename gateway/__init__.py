@@ -1,1 +1,1 @@
-"""The OpenAI-compatible REST gateway: Flask under gunicorn, streaming over SSE (not built yet)."""
+"""The OpenAI-compatible REST gateway: Flask under gunicorn, tokenization, stop strings, SSE streaming."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from shared.settings import GatewaySettings, parse_settings
+from gateway.settings import GatewaySettings
+from shared.settings import parse_settings
 
 APP = "gateway.app:create_app()"
 CONFIG = "python:gateway.gunicorn_conf"
@@ -17,10 +18,10 @@ def gunicorn_argv() -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(GatewaySettings, argv, prog="gateway")
-    from gateway.tokenization import model_folder
+    from shared.model_files import tokenizer_folder
 
-    # A GGUF model is de-quantized (once, cached) here, so the worker processes only load a folder.
-    settings.model = model_folder(settings.model)
+    # A GGUF model's tokenizer is extracted (once, cached) here, so gunicorn's workers only load a folder.
+    settings.model = tokenizer_folder(settings.model)
     # gunicorn's config and its worker processes read the settings from the environment: hand the
     # flags over that way. exec, so the master is a fresh interpreter that has imported nothing else.
     for name, value in settings.model_dump().items():

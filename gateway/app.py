@@ -15,15 +15,9 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import UnsupportedMediaType
 
 from gateway import metrics, openapi
-from gateway.admission import check_admission, live_worker_ids
-from gateway.errors import (
-    APIError,
-    bad_request,
-    from_validation_error,
-    generation_failed,
-    install_error_handlers,
-)
-from gateway.generation import ClientDisconnected, Generation, GenerationTimeout, Prepared, peer_closed
+from gateway.backpressure import check_backpressure
+from gateway.errors import APIError, bad_request, from_validation_error, install_error_handlers
+from gateway.generation import ClientDisconnected, Generation, Prepared, peer_closed
 from gateway.prepare import check_model, prepare_chat, prepare_completion
 from gateway.responses import ResponseFormat
 from gateway.schemas import (
@@ -34,10 +28,13 @@ from gateway.schemas import (
     TokenizeCompletionRequest,
     conversation,
 )
+from gateway.settings import GatewaySettings
 from gateway.sse import event_stream
-from gateway.streaming import GenerationError
+from gateway.token_receiver import GenerationError
 from gateway.tokenization import load_tokenizer
-from shared.settings import GatewaySettings
+from shared.errors import ErrorCode
+from shared.redis_client import connect
+from shared.registry import WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +57,9 @@ def json_body() -> dict[str, Any]:
     try:
         data = json.loads(raw, parse_constant=_no_constants)
     except (ValueError, RecursionError) as e:
-        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from e
+        raise bad_request(f"the body is not valid JSON: {e}", code=ErrorCode.INVALID_JSON) from e
     if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object", code="invalid_json")
+        raise bad_request("the body must be a JSON object", code=ErrorCode.INVALID_JSON)
     return data
 
 
@@ -85,13 +82,8 @@ class Gateway:
         self.keys = settings.keys
         self.model_name = settings.served_model_name
         # One client, so one connection pool, per process; each request's subscription borrows from it.
-        self.redis = redis.Redis.from_url(
-            settings.redis_url,
-            decode_responses=True,
-            socket_connect_timeout=5,
-            socket_timeout=30,
-            health_check_interval=30,
-        )
+        self.redis = connect(settings.redis_url)
+        self.registry = WorkerRegistry(self.redis, self.keys)
         self.tokenizer = load_tokenizer(settings.model, settings.max_model_len)
         self.api_keys = [k.encode() for k in sorted(settings.api_key_set())]
         self.created = int(time.time())
@@ -103,10 +95,7 @@ class Gateway:
         given = token.strip().encode()
         if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in self.api_keys):
             raise APIError(
-                401,
-                "a valid API key is required (Authorization: Bearer <key>)",
-                type="authentication_error",
-                code="invalid_api_key",
+                ErrorCode.INVALID_API_KEY, "a valid API key is required (Authorization: Bearer <key>)"
             )
 
     # -- generation ---------------------------------------------------------------------------------
@@ -125,7 +114,7 @@ class Gateway:
 
     def _generate(self, prepared: Prepared, arrived: float, *, chat: bool) -> Response:
         settings = self.settings
-        check_admission(self.redis, self.keys, settings.max_queue_len, settings.heartbeat_ttl_s)
+        check_backpressure(self.registry, settings.max_queue_len, settings.heartbeat_ttl_s)
         generation = Generation(
             self.redis,
             self.keys,
@@ -153,10 +142,8 @@ class Gateway:
         try:
             for _ in generation.updates():
                 pass
-        except GenerationTimeout as e:
-            raise APIError(504, str(e), type="server_error", code="timeout") from e
         except GenerationError as e:
-            raise generation_failed(str(e)) from e
+            raise APIError.of(e) from e
         except ClientDisconnected:
             return Response(status=499)  # nobody reads it; the request is aborted
         finally:
@@ -208,7 +195,7 @@ class Gateway:
     def ready(self) -> tuple[Response, int]:
         try:
             self.redis.ping()
-            workers = live_worker_ids(self.redis, self.keys)
+            workers = self.registry.live_worker_ids()
         except redis.RedisError as e:
             return jsonify({"status": "not ready", "reason": f"Redis unavailable: {e}"}), 503
         if not workers:
@@ -216,7 +203,7 @@ class Gateway:
         return jsonify({"status": "ready", "workers": len(workers)}), 200
 
     def metrics(self) -> Response:
-        body, content_type = metrics.render(self.redis, self.keys, self.model_name)
+        body, content_type = metrics.render(self.registry, self.model_name)
         return Response(body, content_type=content_type)
 
     def openapi(self) -> Response:

@@ -1,4 +1,7 @@
-"""Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`, for every failure."""
+"""Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`, for every failure.
+
+The code (shared.errors.ErrorCode) decides the HTTP status and the OpenAI error type, through HTTP_ERRORS.
+"""
 
 from __future__ import annotations
 
@@ -11,34 +14,66 @@ import redis
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
+from shared.errors import CodedError, ErrorCode
+
 logger = logging.getLogger(__name__)
 
-# A worker or the scheduler refused the request itself (it can never run), not a failure of the service.
-_REQUEST_FAULT = re.compile(r"fit|max_model_len|context|must be|empty|too long|exceeds", re.IGNORECASE)
+# code -> (HTTP status, OpenAI error type): the one place a failure's status is decided.
+HTTP_ERRORS: dict[ErrorCode, tuple[int, str]] = {
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.INVALID_JSON: (400, "invalid_request_error"),
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
+    ErrorCode.KV_CAPACITY_EXCEEDED: (400, "invalid_request_error"),
+    ErrorCode.INVALID_API_KEY: (401, "authentication_error"),
+    ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),
+    ErrorCode.NOT_FOUND: (404, "not_found_error"),
+    ErrorCode.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
+    ErrorCode.BODY_TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: (415, "invalid_request_error"),
+    ErrorCode.ENGINE_ERROR: (500, "server_error"),
+    ErrorCode.PROTOCOL_ERROR: (500, "server_error"),
+    ErrorCode.TOKENS_LOST: (500, "server_error"),
+    ErrorCode.INTERNAL_ERROR: (500, "server_error"),
+    ErrorCode.NO_WORKER: (503, "server_error"),
+    ErrorCode.OVERLOADED: (503, "server_error"),
+    ErrorCode.QUEUE_UNAVAILABLE: (503, "server_error"),
+    ErrorCode.ABORTED: (503, "server_error"),
+    ErrorCode.TIMEOUT: (504, "server_error"),
+}
+
+# The errors werkzeug raises itself (routing, body size and type), by status.
+_HTTP_EXCEPTIONS: dict[int, tuple[ErrorCode, str]] = {
+    404: (ErrorCode.NOT_FOUND, "no such endpoint"),
+    405: (ErrorCode.METHOD_NOT_ALLOWED, "method not allowed on this endpoint"),
+    413: (ErrorCode.BODY_TOO_LARGE, "the request body is too large"),
+    415: (ErrorCode.UNSUPPORTED_MEDIA_TYPE, "the request body must be JSON (Content-Type: application/json)"),
+}
 
 
-class APIError(Exception):
-    """An error the client sees: HTTP status, OpenAI error type, and the parameter at fault."""
+class APIError(CodedError):
+    """An error the client sees: its code (which decides the HTTP status and OpenAI type) and the parameter
+    at fault."""
 
     def __init__(
         self,
-        status: int,
+        code: ErrorCode,
         message: str,
-        type: str = "invalid_request_error",
         param: str | None = None,
-        code: str | None = None,
         retry_after: float | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
+        super().__init__(code, message)
+        self.status, self.type = HTTP_ERRORS[code]
         self.param = param
-        self.code = code
         self.retry_after = retry_after
 
+    @classmethod
+    def of(cls, error: CodedError) -> APIError:
+        return error if isinstance(error, APIError) else cls(error.code, error.message)
+
     def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": str(self.code)}
+        }
 
     def response(self) -> Response:
         response = jsonify(self.body())
@@ -48,19 +83,10 @@ class APIError(Exception):
         return response
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def overloaded(message: str, retry_after: float, code: str) -> APIError:
-    return APIError(503, message, type="server_error", code=code, retry_after=retry_after)
-
-
-def generation_failed(message: str) -> APIError:
-    """A worker or the scheduler answered with an error: 400 when the request can never run, else 500."""
-    if _REQUEST_FAULT.search(message):
-        return APIError(400, message, code="request_not_servable")
-    return APIError(500, message, type="server_error", code="generation_failed")
+def bad_request(
+    message: str, param: str | None = None, code: ErrorCode = ErrorCode.INVALID_REQUEST
+) -> APIError:
+    return APIError(code, message, param=param)
 
 
 def from_validation_error(error: pydantic.ValidationError) -> APIError:
@@ -94,11 +120,9 @@ def _param_path(loc: tuple[int | str, ...]) -> str:
 # pydantic names the member of a union in an error's location (`str`, `list[TextPart]`): not a parameter.
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none)$|[\[\]-]")
 
-_HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
-
 
 def install_error_handlers(app: Flask) -> None:
-    """Every error leaves as OpenAI-format JSON; only a bug in the gateway is a 500."""
+    """Every error leaves as OpenAI-format JSON with a code; only a bug in the gateway is a 500."""
 
     @app.errorhandler(APIError)
     def _api_error(error: APIError) -> Response:
@@ -107,15 +131,15 @@ def install_error_handlers(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def _http_error(error: HTTPException) -> Response:
         status = error.code or 500
-        messages = {
-            404: "no such endpoint",
-            405: "method not allowed on this endpoint",
-            413: "the request body is too large",
-            415: "the request body must be JSON (Content-Type: application/json)",
-        }
-        message = messages.get(status, error.description or error.name)
-        kind = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-        response = APIError(status, message, type=kind).response()
+        code, message = _HTTP_EXCEPTIONS.get(
+            status,
+            (
+                ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL_ERROR,
+                error.description or "",
+            ),
+        )
+        response = APIError(code, message or error.name).response()
+        response.status_code = status
         if status == 405 and error.valid_methods:  # type: ignore[attr-defined]
             response.headers["Allow"] = ", ".join(error.valid_methods)  # type: ignore[attr-defined]
         return response
@@ -123,9 +147,11 @@ def install_error_handlers(app: Flask) -> None:
     @app.errorhandler(redis.RedisError)
     def _redis_error(error: redis.RedisError) -> Response:
         logger.warning("Redis unavailable: %s", error)
-        return overloaded("the request queue is unavailable", 1.0, "queue_unavailable").response()
+        return APIError(
+            ErrorCode.QUEUE_UNAVAILABLE, "the request queue is unavailable", retry_after=1.0
+        ).response()
 
     @app.errorhandler(Exception)
     def _bug(error: Exception) -> Response:
         logger.exception("unhandled error")
-        return APIError(500, "internal server error", type="server_error").response()
+        return APIError(ErrorCode.INTERNAL_ERROR, "internal server error").response()

@@ -14,8 +14,9 @@ import redis
 
 from gateway import metrics
 from gateway.output import SampleOutput
-from gateway.streaming import EventStream, GenerationError, SampleTokens
+from gateway.token_receiver import GenerationError, SampleTokens, TokenReceiver
 from gateway.tokenization import Tokenizer
+from shared.errors import ErrorCode
 from shared.keys import REQUESTS_STREAM_MAXLEN, Keys
 from shared.protocol import AbortMessage, GenerateRequest, encode
 
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 class GenerationTimeout(GenerationError):
     """The request ran past the gateway's request timeout."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.TIMEOUT, message)
 
 
 class ClientDisconnected(Exception):
@@ -107,7 +111,7 @@ class Generation:
         self._last_token_at: list[float | None] = [None] * n
         self._first_token_seen = False
         self.aborted: str | None = None
-        self._events = EventStream(client, keys, self.request.request_id, n)
+        self._receiver = TokenReceiver(client, keys, self.request.request_id, n)
 
     @property
     def request_id(self) -> str:
@@ -149,9 +153,9 @@ class Generation:
                 self.abort("client_disconnect")
                 raise ClientDisconnected(self.request_id)
             try:
-                batch = self._events.poll(min(self._tick_s, self._deadline - now))
+                batch = self._receiver.poll(min(self._tick_s, self._deadline - now))
                 if not batch:
-                    batch = self._events.recover()
+                    batch = self._receiver.recover()
             except GenerationError:
                 self.abort("error")
                 raise
@@ -190,7 +194,7 @@ class Generation:
         metrics.E2E_REQUEST_LATENCY.labels(**self._labels).observe(time.monotonic() - self._arrived)
         for sample in self.samples:
             metrics.REQUEST_SUCCESS.labels(finished_reason=sample.finish_reason, **self._labels).inc()
-        if any(s.stopped_here for s in self.samples) and not self._events.done:
+        if any(s.stopped_here for s in self.samples) and not self._receiver.done:
             self.abort("stop")
 
     def abort(self, reason: str) -> None:
@@ -211,4 +215,4 @@ class Generation:
         """Release the subscription; a request that has not finished is aborted with reason (unless None)."""
         if reason is not None and not self.done:
             self.abort(reason)
-        self._events.close()
+        self._receiver.close()

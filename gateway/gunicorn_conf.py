@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from shared.settings import GatewaySettings
+from gateway.settings import GatewaySettings
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # the name prometheus_client reads
 

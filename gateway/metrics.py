@@ -23,8 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from gateway.admission import live_heartbeats, scheduler_stats
-from shared.keys import Keys
+from shared.registry import WorkerRegistry
 
 logger = logging.getLogger(__name__)
 disable_created_metrics()  # as vLLM: no `_created` series beside every counter and histogram
@@ -75,15 +74,14 @@ class _Local:
 class ClusterCollector:
     """Worker and scheduler gauges and counters, read from their heartbeats at scrape time."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, model_name: str) -> None:
-        self._client = client
-        self._keys = keys
+    def __init__(self, registry: WorkerRegistry, model_name: str) -> None:
+        self._registry = registry
         self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         try:
-            beats = live_heartbeats(self._client, self._keys)
-            stats = scheduler_stats(self._client, self._keys)
+            beats = list(self._registry.read().live.values())
+            stats = self._registry.scheduler_stats()
         except redis.RedisError as e:
             logger.warning("metrics: Redis unavailable: %s", e)
             return
@@ -123,12 +121,12 @@ class ClusterCollector:
         yield from (running, waiting, usage, prompt, generation, queued, live)
 
 
-def render(client: redis.Redis, keys: Keys, model_name: str) -> tuple[bytes, str]:
+def render(registry: WorkerRegistry, model_name: str) -> tuple[bytes, str]:
     """The exposition text of one scrape, and its content type."""
-    registry = CollectorRegistry(auto_describe=False)
+    collectors = CollectorRegistry(auto_describe=False)
     if os.environ.get(MULTIPROC_ENV):
-        MultiProcessCollector(registry)
+        MultiProcessCollector(collectors)
     else:
-        registry.register(_Local())  # type: ignore[arg-type]
-    registry.register(ClusterCollector(client, keys, model_name))  # type: ignore[arg-type]
-    return generate_latest(registry), CONTENT_TYPE_LATEST
+        collectors.register(_Local())  # type: ignore[arg-type]
+    collectors.register(ClusterCollector(registry, model_name))  # type: ignore[arg-type]
+    return generate_latest(collectors), CONTENT_TYPE_LATEST

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.streaming import SampleTokens
+from gateway.token_receiver import SampleTokens
 from gateway.tokenization import IncrementalDetokenizer
 
 

@@ -9,6 +9,7 @@ from gateway.errors import APIError, bad_request
 from gateway.generation import Prepared
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody, conversation
 from gateway.tokenization import Tokenizer
+from shared.errors import ErrorCode
 from shared.protocol import GenerateRequest, SamplingSpec
 
 
@@ -19,10 +20,9 @@ def new_request_id(prefix: str) -> str:
 def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise APIError(
-            404,
+            ErrorCode.MODEL_NOT_FOUND,
             f"the model '{requested}' does not exist; this server serves '{served}'",
             param="model",
-            code="model_not_found",
         )
 
 
@@ -76,7 +76,7 @@ def _sampling(
             f"the prompt has {num_prompt_tokens} tokens; the model's context is {limit} tokens "
             "and the prompt must leave room for at least one more",
             param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-            code="context_length_exceeded",
+            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
         )
     param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     if max_tokens is None:
@@ -86,7 +86,7 @@ def _sampling(
             f"the prompt ({num_prompt_tokens} tokens) plus {param} ({max_tokens}) is more than the model's "
             f"context of {limit} tokens",
             param=param,
-            code="context_length_exceeded",
+            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
         )
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) is more than {param} ({max_tokens})", "min_tokens")

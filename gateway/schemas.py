@@ -137,7 +137,6 @@ class ChatCompletionRequest(SamplingBody):
         return self
 
 
-
 def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages as the chat template takes them (a developer message is a system message)."""
     turns = []

@@ -9,10 +9,11 @@ from typing import Any
 
 import redis
 
-from gateway.errors import APIError, generation_failed
-from gateway.generation import ClientDisconnected, Generation, GenerationTimeout
+from gateway.errors import APIError
+from gateway.generation import ClientDisconnected, Generation
 from gateway.responses import ResponseFormat
-from gateway.streaming import GenerationError
+from gateway.token_receiver import GenerationError
+from shared.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,8 @@ def sse(data: dict[str, Any]) -> str:
 
 
 def event_stream(generation: Generation, response_format: ResponseFormat) -> Iterator[str]:
-    """Chunks as the samples grow. A failure mid-stream becomes an error event, then the stream ends.
+    """Chunks as the samples grow. A failure mid-stream becomes an error event (OpenAI's error object, with
+    its code), then the stream ends.
 
     A client that has gone away shows up as a failed write: gunicorn then closes this generator, and
     the response's on-close callback aborts the request. The keep-alive comments sent while nothing
@@ -42,22 +44,18 @@ def event_stream(generation: Generation, response_format: ResponseFormat) -> Ite
                     yield sse(chunk)
     except ClientDisconnected:
         return
-    except GenerationTimeout as e:
-        yield sse(APIError(504, str(e), type="server_error", code="timeout").body())
-        yield DONE
-        return
     except GenerationError as e:
-        yield sse(generation_failed(str(e)).body())
+        yield sse(APIError.of(e).body())
         yield DONE
         return
     except redis.RedisError as e:
         logger.warning("request %s: Redis failed mid-stream: %s", generation.request_id, e)
-        yield sse(APIError(503, "the request queue became unavailable", type="server_error").body())
+        yield sse(APIError(ErrorCode.QUEUE_UNAVAILABLE, "the request queue became unavailable").body())
         yield DONE
         return
     except Exception:
         logger.exception("request %s: failed mid-stream", generation.request_id)
-        yield sse(APIError(500, "internal server error", type="server_error").body())
+        yield sse(APIError(ErrorCode.INTERNAL_ERROR, "internal server error").body())
         yield DONE
         return
     if generation.prepared.include_usage:

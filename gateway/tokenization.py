@@ -11,21 +11,12 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from gateway.errors import bad_request
+from shared.model_files import tokenizer_folder
 
 # Output is decoded after a few prompt tokens, so a tokenizer that drops a leading space at the start of a
 # text (SentencePiece) still gives the first output token its space.
 _CONTEXT_TOKENS = 4
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def model_folder(model: str | None) -> str:
-    """The folder holding the model's tokenizer and config; a GGUF file is converted (and cached) once."""
-    if model is not None and not model.endswith(".gguf"):
-        return model
-    # Only a GGUF file needs the loader (which brings in the engine package); a folder is used as it is.
-    from gpu_worker.model_loader import resolve_model_path
-
-    return resolve_model_path(model)
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -45,7 +36,7 @@ class Tokenizer:
     """The model's tokenizer, chat template and context length, and per-token text for logprobs."""
 
     def __init__(self, model: str | None, max_model_len: int | None = None) -> None:
-        folder = Path(model_folder(model))
+        folder = Path(tokenizer_folder(model))
         self.hf: Any = AutoTokenizer.from_pretrained(folder)
         config_file = folder / "config.json"
         config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.exists() else {}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from gpu_worker.service import WorkerService
-from shared.settings import WorkerSettings, parse_settings
+from gpu_worker.settings import WorkerSettings
+from shared.settings import parse_settings
 
 
 def main() -> None:

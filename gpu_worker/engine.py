@@ -16,8 +16,9 @@ from gpu_worker.model_loader import load_model
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampler import Sampler, SamplerOutput
 from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import Sequence
+from gpu_worker.step_scheduler import StepScheduler
+from shared.errors import ErrorCode, RequestRejected
 
 
 @dataclass(slots=True)
@@ -62,7 +63,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 class LLMEngine:
-    """Holds the model, the KV pool and the scheduler of one worker; callers add requests and call step()."""
+    """The model, the KV pool and the step scheduler of one worker; callers add requests and call step()."""
 
     def __init__(
         self,
@@ -88,7 +89,7 @@ class LLMEngine:
             mc.num_hidden_layers, num_blocks, bs, num_kv_heads, head_size, self.dtype, self.device
         )
         self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.allocator)
+        self.step_scheduler = StepScheduler(self.config, self.allocator)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.sampler = Sampler(self._eos_token_ids())
         self.max_model_len = min(
@@ -111,7 +112,7 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> None:
-        """Queue a request; raises ValueError for one that can never run."""
+        """Queue a request; raises RequestRejected (a ValueError) for one that can never run."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._validate(prompt_token_ids, params)
@@ -125,21 +126,25 @@ class LLMEngine:
         )
         seq.generator = self._generator(params, 0)
         self.requests[request_id] = [seq]
-        self.scheduler.add(seq)
+        self.step_scheduler.add(seq)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt is empty")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, f"prompt token ids must be in [0, {self.vocab_size})"
+            )
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is {self.max_model_len}"
+            raise RequestRejected(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is {self.max_model_len}",
             )
         max_len = min(len(prompt_token_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         if -(-max_len // self.config.block_size) > self.allocator.num_blocks:
-            raise ValueError(
-                f"{max_len} tokens do not fit in the KV pool of {self.allocator.num_blocks} blocks"
+            raise RequestRejected(
+                ErrorCode.KV_CAPACITY_EXCEEDED,
+                f"{max_len} tokens do not fit in the KV pool of {self.allocator.num_blocks} blocks",
             )
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -152,20 +157,20 @@ class LLMEngine:
         """Stop a request now; its blocks are back in the pool when this returns."""
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+                self.step_scheduler.finish(seq, "abort")
 
     def release(self, request_id: str) -> list[Sequence]:
         """Forget a request whose sequences have all finished, returning them."""
         return self.requests.pop(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.step_scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences that received a token (some of them now finished)."""
-        out = self.scheduler.schedule()
+        out = self.step_scheduler.schedule()
         if out.is_empty():
             return []
         sample_rows = [
@@ -174,7 +179,7 @@ class LLMEngine:
             if seq.num_computed_tokens + n == seq.num_tokens
         ]
         logits = self.runner.run(out, sample_rows)
-        self.scheduler.update_computed(out)
+        self.step_scheduler.update_computed(out)
         return self._postprocess([out.seqs[i] for i in sample_rows], logits)
 
     def _postprocess(self, sampling: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
@@ -187,7 +192,7 @@ class LLMEngine:
             rows.append(row)
             # n > 1: the siblings are born now, sharing the computed prompt, and sample from the same logits.
             for index in range(1, seq.num_pending_forks + 1):
-                child = self.scheduler.fork(seq, next(self._seq_ids), index)
+                child = self.step_scheduler.fork(seq, next(self._seq_ids), index)
                 child.generator = self._generator(seq.params, index)
                 self.requests[seq.request_id].append(child)
                 seqs.append(child)
@@ -208,7 +213,7 @@ class LLMEngine:
                 seq.top_logprobs.append(sampled.top_logprobs[i] or {})
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                self.step_scheduler.finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -225,7 +230,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bs = self.config.block_size
         filled: dict[int, int] = {}
-        for seq in self.scheduler.running:
+        for seq in self.step_scheduler.running:
             for i, block in enumerate(seq.block_table):
                 n = max(0, min(bs, seq.num_computed_tokens - i * bs))
                 filled[block] = max(filled.get(block, 0), n)
@@ -233,11 +238,11 @@ class LLMEngine:
             num_free_blocks=self.allocator.num_free_blocks,
             num_total_blocks=self.allocator.num_blocks,
             block_size=bs,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.step_scheduler.running),
+            num_waiting=len(self.step_scheduler.waiting),
             num_live_token_slots=sum(filled.values()),
             num_allocated_slots=self.allocator.num_used_blocks * bs,
             prefix_cache_hit_rate=self.allocator.prefix_cache_hit_rate,
-            num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions=self.step_scheduler.num_preemptions,
             num_cow_copies=self.allocator.num_cow_copies,
         )

@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 
 from gpu_worker.attention import AttentionMetadata
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.scheduler import SchedulerOutput
+from gpu_worker.step_scheduler import StepSchedule
 from gpu_worker.vocab_projection import use_vocab_projection
 
 
@@ -22,7 +22,7 @@ class ModelRunner:
         self.device = kv_cache.kv_cache.device
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
+    def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor:
         """Logits `[len(sample_rows), vocab_size]` at the last new token of each sequence in sample_rows."""
         self.kv_cache.copy_blocks(out.copy_pairs)
         input_ids: list[int] = []
@@ -48,7 +48,7 @@ class ModelRunner:
         return result.logits[0]
 
     def _metadata(
-        self, out: SchedulerOutput, starts: list[int], seq_lens: list[int]
+        self, out: StepSchedule, starts: list[int], seq_lens: list[int]
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         device = self.device
         num_new = torch.tensor(out.num_new_tokens, device=device)

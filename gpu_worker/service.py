@@ -9,12 +9,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic
 import redis
 
-from gpu_worker.config import EngineConfig
+from gpu_worker.assignments import engine_requests, read_assignment, salvage_request
 from gpu_worker.engine import LLMEngine
-from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.sequence import Sequence
+from gpu_worker.settings import WorkerSettings, engine_config
+from shared.errors import CodedError, ErrorCode
 from shared.keys import WORKER_GROUP
 from shared.protocol import (
     AbortMessage,
@@ -23,13 +25,15 @@ from shared.protocol import (
     Heartbeat,
     TokenEvent,
     TokenLogprob,
+    WireError,
     decode,
-    encode,
 )
-from shared.settings import WorkerSettings
+from shared.records import error_events, push_event
+from shared.redis_client import NamedPipeline, connect
 
 logger = logging.getLogger(__name__)
 
+INBOX_READ_COUNT = 64  # inbox entries taken per read
 IDLE_BLOCK_MS = 100  # how long an idle worker waits on its inbox before looking at aborts and heartbeats
 # A step running longer than this is taken as hung: the heartbeat is no longer kept alive, the worker is
 # declared dead and its requests move on. Far above any real step (a 2048-token CPU prefill takes seconds).
@@ -54,20 +58,9 @@ class WorkerService:
         self.settings = settings
         self.keys = settings.keys
         self.worker_id = settings.worker_id
-        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.redis = connect(settings.redis_url)
         self.engine = engine or LLMEngine(
-            settings.model,
-            EngineConfig(
-                block_size=settings.block_size,
-                num_kv_blocks=settings.num_kv_blocks,
-                kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-                gpu_memory_utilization=settings.gpu_memory_utilization,
-                max_num_seqs=settings.max_num_seqs,
-                max_num_batched_tokens=settings.max_num_batched_tokens,
-                enable_prefix_caching=settings.enable_prefix_caching,
-            ),
-            dtype=settings.dtype,
-            device=settings.device,
+            settings.model, engine_config(settings), dtype=settings.dtype, device=settings.device
         )
         self.model_name = settings.model or "SmolLM2-135M-Instruct"
         self.active: dict[str, ActiveRequest] = {}
@@ -146,7 +139,11 @@ class WorkerService:
                 seqs = self.engine.step()
             except Exception:
                 logger.exception("engine step failed; failing every active request")
-                self._fail_all("the engine failed while running this request")
+                self._fail_all(
+                    WireError(
+                        code=ErrorCode.ENGINE_ERROR, message="the engine failed while running this request"
+                    )
+                )
             else:
                 self.last_step_time = time.time()
                 self._publish(seqs)
@@ -158,35 +155,53 @@ class WorkerService:
     # -- inbox and aborts ---------------------------------------------------------------------------
 
     def _read_inbox(self, block_ms: int | None) -> int:
+        """Start new assignments; one that cannot be read or started is answered with an error."""
         inbox = self.keys.inbox(self.worker_id)
         try:
             reply: Any = self.redis.xreadgroup(
-                WORKER_GROUP, self.worker_id, {inbox: ">"}, count=64, block=block_ms
+                WORKER_GROUP, self.worker_id, {inbox: ">"}, count=INBOX_READ_COUNT, block=block_ms
             )
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             self._rejoin()
             return 0
-        entries = [(eid.decode(), fields[b"data"]) for _, messages in reply or [] for eid, fields in messages]
+        entries: list[tuple[str, str | None]] = [
+            (entry_id, (fields or {}).get("data"))
+            for _, messages in reply or []
+            for entry_id, fields in messages
+        ]
         if not entries:
             return 0
-        assignments = [decode(Assignment, data) for _, data in entries]
         pipe = self.redis.pipeline(transaction=False)
-        for a in assignments:
-            pipe.exists(self.keys.abort_flag(a.request.request_id))
-        aborted = pipe.execute()
-        pipe = self.redis.pipeline(transaction=False)
-        for assignment, was_aborted in zip(assignments, aborted):
-            if was_aborted:
+        assignments: dict[str, Assignment] = {}
+        for entry_id, data in entries:
+            try:
+                assignments[entry_id] = read_assignment(data)
+            except CodedError as e:
+                self._refuse_unreadable(entry_id, data, e, pipe)
+        flags = NamedPipeline(self.redis)
+        for entry_id, a in assignments.items():
+            flags.named(entry_id).exists(self.keys.abort_flag(a.request.request_id))
+        aborted = flags.execute()
+        for entry_id, assignment in assignments.items():
+            if aborted[entry_id]:
                 pipe.hdel(self.keys.assigned(self.worker_id), assignment.request.request_id)
             else:
                 self._start(assignment.request, pipe)
         # Handed on to the engine: from here a failure is recovered through the assigned hash, not the inbox.
-        pipe.xack(inbox, WORKER_GROUP, *[eid for eid, _ in entries])
+        pipe.xack(inbox, WORKER_GROUP, *[entry_id for entry_id, _ in entries])
         pipe.execute()
         self.inbox_last_id = entries[-1][0]
         return len(entries)
+
+    def _refuse_unreadable(self, entry_id: str, data: str | None, error: CodedError, pipe: Any) -> None:
+        request = salvage_request(data)
+        logger.error(
+            "inbox entry %s (request %s): %s", entry_id, request.request_id if request else "unknown", error
+        )
+        if request is not None and request.request_id not in self.active:
+            self._finish_with_error(request, WireError.of(error), pipe)
 
     def _rejoin(self) -> None:
         """The scheduler took this worker for dead and re-queued its requests: drop them, register again."""
@@ -204,47 +219,35 @@ class WorkerService:
         self.heartbeat()
 
     def _start(self, request: GenerateRequest, pipe: Any) -> None:
+        """Add the request to the engine; any failure answers it with an error and leaves nothing behind."""
         rid = request.request_id
-        spec = request.sampling
+        if rid in self.active:
+            logger.warning("request %s is already running here; ignoring its second assignment", rid)
+            return
         active = ActiveRequest(request, [], set(request.sample_indices()))
         try:
-            if request.samples is None and not request.resume:
-                params = SamplingParams(**spec.model_dump())
-                self.engine.add_request(rid, request.prompt_token_ids, params, request.priority)
-                active.engine_ids.append(rid)
-                self.engine_ids[rid] = (rid, None)
-            else:
-                for i in sorted(active.pending):
-                    self._start_resumed(request, i, active)
-        except ValueError as e:
+            for plan in engine_requests(request):
+                if plan.index is not None:
+                    active.next_position[plan.index] = plan.start
+                if plan.params is None:  # it streamed all its tokens before its worker died
+                    assert plan.index is not None
+                    self._push_event(pipe, active, plan.index, [], [], "length")
+                    active.pending.discard(plan.index)
+                    continue
+                self.engine.add_request(plan.engine_id, plan.prompt_token_ids, plan.params, request.priority)
+                active.engine_ids.append(plan.engine_id)
+                self.engine_ids[plan.engine_id] = (rid, plan.index)
+        except Exception as e:
             for engine_id in active.engine_ids:
                 self.engine.abort_request(engine_id)
                 self.engine_ids.pop(engine_id, None)
-            self._finish_with_error(request, str(e), pipe)
+            self._finish_with_error(request, _wire_error(rid, e), pipe)
             return
         self.prompt_tokens_total += len(request.prompt_token_ids)
-        self.active[rid] = active
-
-    def _start_resumed(self, request: GenerateRequest, index: int, active: ActiveRequest) -> None:
-        """One sample continues from the tokens it streamed on a worker that died: recompute, then go on."""
-        spec = request.sampling
-        done = list(request.resume.get(index, []))
-        values = spec.model_dump()
-        values.update(
-            n=1,
-            seed=None if spec.seed is None else spec.seed + index,
-            max_tokens=None if spec.max_tokens is None else spec.max_tokens - len(done),
-            min_tokens=max(0, spec.min_tokens - len(done)),
-        )
-        if values["max_tokens"] is not None and values["max_tokens"] < 1:
-            raise ValueError(f"sample {index} already has its {spec.max_tokens} tokens")
-        engine_id = f"{request.request_id}#{index}"
-        self.engine.add_request(
-            engine_id, request.prompt_token_ids + done, SamplingParams(**values), request.priority
-        )
-        active.engine_ids.append(engine_id)
-        active.next_position[index] = len(done)
-        self.engine_ids[engine_id] = (request.request_id, index)
+        if active.pending:
+            self.active[rid] = active
+        else:
+            pipe.hdel(self.keys.assigned(self.worker_id), rid)
 
     def _apply_aborts(self) -> None:
         while True:
@@ -253,7 +256,11 @@ class WorkerService:
                 return
             if message.get("type") != "message":
                 continue
-            abort = decode(AbortMessage, message["data"])
+            try:
+                abort = decode(AbortMessage, message["data"])
+            except pydantic.ValidationError as e:
+                logger.error("dropped an unreadable abort message: %s", e)
+                continue
             active = self.active.get(abort.request_id)
             if active is None:
                 continue
@@ -297,29 +304,23 @@ class WorkerService:
         token_ids: list[int],
         logprobs: list[TokenLogprob],
         finish_reason: str | None,
+        error: WireError | None = None,
     ) -> None:
         request = active.request
-        rid = request.request_id
         start = active.next_position.get(index, 0)
         active.next_position[index] = start + len(token_ids)
         event = TokenEvent(
-            request_id=rid,
+            request_id=request.request_id,
             index=index,
             start=start,
             token_ids=token_ids,
             logprobs=logprobs or None,
-            finish_reason=finish_reason,  # type: ignore[arg-type]
+            finish_reason=finish_reason,  # type: ignore[arg-type]  # the engine's reasons are FinishReasons
             num_prompt_tokens=len(request.prompt_token_ids),
             worker_id=self.worker_id,
+            error=error,
         )
-        ttl = self.settings.request_ttl_s
-        if token_ids:
-            pipe.rpush(self.keys.tokens(rid, index), *token_ids)
-            pipe.expire(self.keys.tokens(rid, index), ttl)
-        if finish_reason is not None:
-            pipe.hset(self.keys.finished(rid), str(index), finish_reason)
-            pipe.expire(self.keys.finished(rid), ttl)
-        pipe.publish(self.keys.events(rid), encode(event))
+        push_event(pipe, self.keys, event, self.settings.request_ttl_s)
 
     def _retire(self, rid: str, pipe: Any) -> None:
         """Every sample of rid is done: forget it here and in the assigned hash."""
@@ -329,26 +330,17 @@ class WorkerService:
             self.engine_ids.pop(engine_id, None)
         pipe.hdel(self.keys.assigned(self.worker_id), rid)
 
-    def _finish_with_error(self, request: GenerateRequest, message: str, pipe: Any) -> None:
-        for index in request.sample_indices():
-            event = TokenEvent(
-                request_id=request.request_id,
-                index=index,
-                start=len(request.resume.get(index, [])),
-                token_ids=[],
-                finish_reason="error",
-                num_prompt_tokens=len(request.prompt_token_ids),
-                worker_id=self.worker_id,
-                error=message,
-            )
-            pipe.publish(self.keys.events(request.request_id), encode(event))
+    def _finish_with_error(self, request: GenerateRequest, error: WireError, pipe: Any) -> None:
+        for event in error_events(request, error, self.worker_id):
+            push_event(pipe, self.keys, event, self.settings.request_ttl_s)
         pipe.hdel(self.keys.assigned(self.worker_id), request.request_id)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, error: WireError) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for rid in list(self.active):
             active = self.active[rid]
-            self._finish_with_error(active.request, message, pipe)
+            for index in sorted(active.pending):
+                self._push_event(pipe, active, index, [], [], "error", error)
             active.pending.clear()
             self._retire(rid, pipe)
         pipe.execute()
@@ -358,7 +350,7 @@ class WorkerService:
     def heartbeat(self) -> None:
         stats = self.engine.stats()
         bs = stats.block_size
-        waiting_blocks = sum(-(-seq.num_tokens // bs) for seq in self.engine.scheduler.waiting)
+        waiting_blocks = sum(-(-seq.num_tokens // bs) for seq in self.engine.step_scheduler.waiting)
         beat = Heartbeat(
             worker_id=self.worker_id,
             model=self.model_name,
@@ -384,3 +376,11 @@ class WorkerService:
         pipe.sadd(self.keys.workers, self.worker_id)
         pipe.execute()
         self.last_heartbeat = time.monotonic()
+
+
+def _wire_error(request_id: str, error: Exception) -> WireError:
+    """What the client is told about a request the engine could not take."""
+    if isinstance(error, CodedError):
+        return WireError.of(error)
+    logger.exception("request %s could not be started", request_id, exc_info=error)
+    return WireError(code=ErrorCode.ENGINE_ERROR, message=f"the worker could not start the request: {error}")

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from types import FrameType
 
 from scheduler_svc.service import SchedulerService
-from shared.settings import SchedulerSettings, parse_settings
+from scheduler_svc.settings import SchedulerSettings
+from shared.settings import parse_settings
 
 log = logging.getLogger("scheduler_svc")
 

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler_svc.queue import QueuedRequest
+from shared.errors import ErrorCode, RequestRejected
 from shared.protocol import GenerateRequest
 
 
@@ -39,13 +40,13 @@ class Reject:
     """The entry can never run on any live worker: answer it with an error."""
 
     entry: QueuedRequest
-    error: str
+    error: RequestRejected
 
 
 Decision = Admit | Reject
 
 
-def never_fits(request: GenerateRequest, rooms: Iterable[WorkerRoom]) -> str | None:
+def never_fits(request: GenerateRequest, rooms: Iterable[WorkerRoom]) -> RequestRejected | None:
     """Why no live worker could ever run the request, or None when one could (or none is live)."""
     rooms = list(rooms)
     if not rooms:
@@ -58,11 +59,15 @@ def never_fits(request: GenerateRequest, rooms: Iterable[WorkerRoom]) -> str | N
             return None
     longest = max(rooms, key=lambda r: r.max_model_len)
     if num_prompt_tokens >= longest.max_model_len:
-        return f"prompt of {num_prompt_tokens} tokens reaches max_model_len {longest.max_model_len}"
+        return RequestRejected(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"prompt of {num_prompt_tokens} tokens reaches max_model_len {longest.max_model_len}",
+        )
     largest = max(rooms, key=lambda r: r.capacity_blocks * r.block_size)
-    return (
+    return RequestRejected(
+        ErrorCode.KV_CAPACITY_EXCEEDED,
         f"prompt needs {request.num_blocks_for_prompt(largest.block_size)} KV blocks of "
-        f"{largest.block_size} tokens; the largest worker can hold {largest.capacity_blocks}"
+        f"{largest.block_size} tokens; the largest worker can hold {largest.capacity_blocks}",
     )
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 import redis
 from pydantic import ValidationError
 
 from shared.keys import Keys
 from shared.protocol import GenerateRequest, decode, encode
+from shared.records import parse_ends, parse_tokens
+from shared.redis_client import NamedPipeline
 
 log = logging.getLogger(__name__)
 
@@ -19,10 +21,10 @@ LOCK_TTL_MS = 5000
 
 
 def resume_request(
-    request: GenerateRequest, finished: Mapping[str, str], tokens: Mapping[int, list[int]]
+    request: GenerateRequest, finished: Container[int], tokens: Mapping[int, list[int]]
 ) -> GenerateRequest | None:
     """The request for its unfinished samples, each resuming from its streamed tokens; None if all ended."""
-    unfinished = [i for i in request.sample_indices() if str(i) not in finished]
+    unfinished = [i for i in request.sample_indices() if i not in finished]
     if not unfinished:
         return None
     resume: dict[int, list[int]] = {}
@@ -64,18 +66,18 @@ class Failover:
             # A worker that was only slow may heartbeat again or finish a request while we work: the
             # watch turns the final MULTI into a no-op then, and the next round looks again.
             tx.watch(*(k for wid in dead_worker_ids for k in (keys.worker(wid), keys.assigned(wid))))
-            read = self._client.pipeline(transaction=False)
+            read = NamedPipeline(self._client)
             for wid in dead_worker_ids:
-                read.exists(keys.worker(wid))
-                read.hgetall(keys.assigned(wid))
-            results = read.execute()
+                read.named(("alive", wid)).exists(keys.worker(wid))
+                read.named(("assigned", wid)).hgetall(keys.assigned(wid))
+            replies = read.execute()
             dead: list[str] = []
             requests: list[GenerateRequest] = []
-            for wid, alive, assigned in zip(dead_worker_ids, results[0::2], results[1::2]):
-                if alive:
+            for wid in dead_worker_ids:
+                if replies[("alive", wid)]:
                     continue
                 dead.append(wid)
-                for rid, data in assigned.items():
+                for rid, data in replies[("assigned", wid)].items():
                     try:
                         requests.append(decode(GenerateRequest, data))
                     except ValidationError as exc:
@@ -102,20 +104,22 @@ class Failover:
     def _resumed(self, requests: list[GenerateRequest]) -> list[GenerateRequest]:
         """One pipeline reads every request's abort flag, finished samples and streamed tokens."""
         keys = self._keys
-        read = self._client.pipeline(transaction=False)
+        read = NamedPipeline(self._client)
         for request in requests:
-            read.exists(keys.abort_flag(request.request_id))
-            read.hgetall(keys.finished(request.request_id))
+            rid = request.request_id
+            read.named(("aborted", rid)).exists(keys.abort_flag(rid))
+            read.named(("finished", rid)).hgetall(keys.finished(rid))
             for i in request.sample_indices():
-                read.lrange(keys.tokens(request.request_id, i), 0, -1)
-        results = iter(read.execute() if requests else [])
+                read.named(("tokens", rid, i)).lrange(keys.tokens(rid, i), 0, -1)
+        replies = read.execute()
         requeue: list[GenerateRequest] = []
         for request in requests:
-            aborted, finished = next(results), next(results)
-            tokens = {i: [int(t) for t in next(results)] for i in request.sample_indices()}
-            if aborted:
-                log.info("not re-queuing aborted request %s", request.request_id)
+            rid = request.request_id
+            if replies[("aborted", rid)]:
+                log.info("not re-queuing aborted request %s", rid)
                 continue
+            finished = parse_ends(replies[("finished", rid)])
+            tokens = {i: parse_tokens(replies[("tokens", rid, i)]) for i in request.sample_indices()}
             resumed = resume_request(request, finished, tokens)
             if resumed is not None:
                 requeue.append(resumed)

@@ -15,10 +15,12 @@ from pydantic import ValidationError
 from scheduler_svc.admission import Admit, Decision, Reject, never_fits, plan_admissions
 from scheduler_svc.failover import Failover
 from scheduler_svc.queue import QueuedRequest, WaitingQueue
+from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.workers import WorkerView
 from shared.keys import SCHEDULER_GROUP
-from shared.protocol import Assignment, GenerateRequest, SchedulerStats, TokenEvent, decode, encode
-from shared.settings import SchedulerSettings
+from shared.protocol import Assignment, GenerateRequest, SchedulerStats, WireError, decode, encode
+from shared.records import error_events, push_event
+from shared.redis_client import NamedPipeline, connect
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ class SchedulerService:
     ) -> None:
         self.settings = settings
         self.keys = settings.keys
-        self.client = client or redis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self.client = client or connect(settings.redis_url)
         self.consumer = consumer or default_consumer_name()
         self.queue = WaitingQueue()
         self.view = WorkerView(self.client, self.keys)
@@ -118,14 +120,16 @@ class SchedulerService:
     def _claim_orphans(self) -> None:
         """Keep our entries fresh, then claim those no scheduler touched for claim_idle_s (one pipeline)."""
         idle_ms = round(self.settings.claim_idle_s * 1000)
-        pipe = self.client.pipeline(transaction=False)
+        pipe = NamedPipeline(self.client)
         own: list[Any] = self.queue.entry_ids()
         if own:
             # Entries wait here for free blocks as long as they must: re-claiming them to ourselves resets
             # their idle time, so that only a dead scheduler's entries ever look idle.
-            pipe.xclaim(self.keys.requests, SCHEDULER_GROUP, self.consumer, 0, own, justid=True)
-        pipe.xautoclaim(self.keys.requests, SCHEDULER_GROUP, self.consumer, idle_ms, "0-0", count=READ_COUNT)
-        cursor, claimed, _deleted = pipe.execute()[-1]
+            pipe.pipe.xclaim(self.keys.requests, SCHEDULER_GROUP, self.consumer, 0, own, justid=True)
+        pipe.named("autoclaim").xautoclaim(
+            self.keys.requests, SCHEDULER_GROUP, self.consumer, idle_ms, "0-0", count=READ_COUNT
+        )
+        cursor, claimed, _deleted = pipe.execute()["autoclaim"]
         while True:
             self._intake(claimed)
             if claimed:
@@ -174,26 +178,29 @@ class SchedulerService:
         rejects = [d for d in decisions if isinstance(d, Reject)]
         aborted: set[str] = set()
         if admits:
-            flags = self.client.pipeline(transaction=False)
+            flags = NamedPipeline(self.client)
             for admit in admits:
-                flags.exists(keys.abort_flag(admit.entry.request.request_id))
-            aborted = {a.entry.entry_id for a, flag in zip(admits, flags.execute()) if flag}
+                flags.named(admit.entry.entry_id).exists(keys.abort_flag(admit.entry.request.request_id))
+            aborted = {str(entry_id) for entry_id, flag in flags.execute().items() if flag}
         sent = [a for a in admits if a.entry.entry_id not in aborted]
-        tx = self.client.pipeline(transaction=True)
+        tx = NamedPipeline(self.client, transaction=True)
         for admit in sent:
             request = admit.entry.request
             assignment = Assignment(
                 worker_id=admit.worker_id, request=request, reserved_blocks=admit.reserved_blocks
             )
-            tx.xadd(keys.inbox(admit.worker_id), {"data": encode(assignment)})
-            tx.hset(keys.assigned(admit.worker_id), request.request_id, encode(request))
+            tx.named(admit.entry.entry_id).xadd(keys.inbox(admit.worker_id), {"data": encode(assignment)})
+            tx.pipe.hset(keys.assigned(admit.worker_id), request.request_id, encode(request))
         for reject in rejects:
-            for event in _error_events(reject.entry.request, reject.error):
-                tx.publish(keys.events(event.request_id), encode(event))
+            for event in error_events(reject.entry.request, WireError.of(reject.error), "scheduler"):
+                push_event(tx.pipe, keys, event, self.settings.request_ttl_s)
         entry_ids = [d.entry.entry_id for d in decisions]
-        results = self._ack(tx, entry_ids).execute()
-        for admit, inbox_entry_id in zip(sent, results[0 : 2 * len(sent) : 2]):
-            self.view.record_assignment(admit.worker_id, inbox_entry_id, admit.reserved_blocks)
+        self._ack(tx.pipe, entry_ids)
+        inbox_entry_ids = tx.execute()
+        for admit in sent:
+            self.view.record_assignment(
+                admit.worker_id, inbox_entry_ids[admit.entry.entry_id], admit.reserved_blocks
+            )
             log.debug(
                 "assigned %s to %s (%d blocks)",
                 admit.entry.request.request_id,
@@ -225,21 +232,3 @@ class SchedulerService:
         pipe.pexpire(self.keys.scheduler_stats, round(self.settings.heartbeat_ttl_s * 1000))
         pipe.execute()
         self._last_stats, self._stats_at = current, now
-
-
-def _error_events(request: GenerateRequest, error: str) -> list[TokenEvent]:
-    """The final event of every sample of a request that cannot run."""
-    return [
-        TokenEvent(
-            request_id=request.request_id,
-            index=i,
-            # A resumed sample has streamed these tokens already: the error event follows them.
-            start=len(request.resume.get(i, [])),
-            token_ids=[],
-            finish_reason="error",
-            error=error,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            worker_id="scheduler",
-        )
-        for i in request.sample_indices()
-    ]

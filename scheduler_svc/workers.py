@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import redis
@@ -12,8 +11,8 @@ from scheduler_svc.admission import WorkerRoom
 from scheduler_svc.queue import StreamId, parse_stream_id
 from shared.keys import Keys
 from shared.protocol import Assignment, Heartbeat, decode
-
-log = logging.getLogger(__name__)
+from shared.redis_client import NamedPipeline
+from shared.registry import WorkerRegistry
 
 
 @dataclass(slots=True)
@@ -64,6 +63,7 @@ class WorkerView:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self._client = client
         self._keys = keys
+        self._registry = WorkerRegistry(client, keys)
         self.live: dict[str, LiveWorker] = {}
         self.dead: list[str] = []
         self.reservations = Reservations()
@@ -73,28 +73,14 @@ class WorkerView:
         return sum(w.num_assigned for w in self.live.values())
 
     def refresh(self) -> None:
-        """Two round trips: the registry, then every member's heartbeat and assigned count in one pipeline."""
-        members = sorted(str(m) for m in self._client.smembers(self._keys.workers))
-        results: list[object] = []
-        if members:
-            pipe = self._client.pipeline(transaction=False)
-            for wid in members:
-                pipe.hgetall(self._keys.worker(wid))
-                pipe.hlen(self._keys.assigned(wid))
-            results = pipe.execute()
-        self.live, self.dead = {}, []
-        for wid, fields, num_assigned in zip(members, results[0::2], results[1::2]):
-            if not fields:
-                self.dead.append(wid)
-                continue
-            assert isinstance(fields, dict) and isinstance(num_assigned, int)
-            try:
-                heartbeat = Heartbeat.from_hash(fields)
-            except (ValidationError, ValueError) as exc:
-                # Neither live nor dead: a worker mid-upgrade may write a heartbeat we cannot read.
-                log.warning("unreadable heartbeat of worker %s: %s", wid, exc)
-                continue
-            self.live[wid] = LiveWorker(heartbeat, num_assigned)
+        """Two round trips (the registry, then every heartbeat and assigned count), plus one to rebuild the
+        reservations of workers seen for the first time."""
+        snapshot = self._registry.read(count_assigned=True)
+        self.live = {
+            wid: LiveWorker(heartbeat, snapshot.num_assigned[wid]) for wid, heartbeat in snapshot.live.items()
+        }
+        # An unreadable heartbeat (a worker mid-upgrade) is neither live nor dead.
+        self.dead = snapshot.dead
         self._load_reservations([wid for wid in self.live if not self.reservations.known(wid)])
         for wid, worker in self.live.items():
             self.reservations.release_through(wid, worker.heartbeat.inbox_last_id)
@@ -104,12 +90,13 @@ class WorkerView:
         """Rebuild reservations of workers seen for the first time from their inboxes (a restart forgets)."""
         if not worker_ids:
             return
-        pipe = self._client.pipeline(transaction=False)
+        pipe = NamedPipeline(self._client)
         for wid in worker_ids:
-            pipe.xrange(self._keys.inbox(wid), f"({self.live[wid].heartbeat.inbox_last_id}", "+")
-        for wid, entries in zip(worker_ids, pipe.execute()):
+            pipe.named(wid).xrange(self._keys.inbox(wid), f"({self.live[wid].heartbeat.inbox_last_id}", "+")
+        pending = pipe.execute()
+        for wid in worker_ids:
             self.reservations.track(wid)
-            for entry_id, fields in entries:
+            for entry_id, fields in pending[wid]:
                 try:
                     assignment = decode(Assignment, fields["data"])
                 except (KeyError, ValidationError):

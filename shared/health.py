@@ -1,7 +1,7 @@
 """Container health checks: `python -m shared.health scheduler|worker` exits 0 when the service is live.
 
 A worker counts as live when a heartbeat of a worker on this host (its id starts with the host name) exists;
-the scheduler when its stats hash is fresh. Settings come from the environment, as for the services.
+the scheduler when its stats are fresh. Settings come from the environment, as for the services.
 """
 
 from __future__ import annotations
@@ -11,17 +11,20 @@ import sys
 
 import redis
 
+from shared.redis_client import connect
+from shared.registry import WorkerRegistry
 from shared.settings import CommonSettings, parse_settings
 
-
-def scheduler_live(client: redis.Redis, settings: CommonSettings) -> bool:
-    return bool(client.exists(settings.keys.scheduler_stats))
+CHECK_TIMEOUT_S = 3.0
 
 
-def worker_live(client: redis.Redis, settings: CommonSettings) -> bool:
+def scheduler_live(registry: WorkerRegistry) -> bool:
+    return registry.scheduler_stats() is not None
+
+
+def worker_live(registry: WorkerRegistry) -> bool:
     host = socket.gethostname()
-    members = [m.decode() for m in client.smembers(settings.keys.workers)]  # type: ignore[union-attr]
-    return any(client.exists(settings.keys.worker(w)) for w in members if w.startswith(host))
+    return any(wid.startswith(host) for wid in registry.live_worker_ids())
 
 
 def main(argv: list[str]) -> int:
@@ -30,9 +33,10 @@ def main(argv: list[str]) -> int:
         print("usage: python -m shared.health scheduler|worker", file=sys.stderr)
         return 2
     settings = parse_settings(CommonSettings, [])
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3)
+    timeout = CHECK_TIMEOUT_S
+    client = connect(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
-        return 0 if checks[argv[0]](client, settings) else 1
+        return 0 if checks[argv[0]](WorkerRegistry(client, settings.keys)) else 1
     except redis.RedisError as e:
         print(f"redis: {e}", file=sys.stderr)
         return 1

@@ -8,7 +8,10 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL_VERSION: Literal[1] = 1
+from shared.errors import CodedError, ErrorCode
+
+# Version 2: errors travel as {code, message} (WireError), and the finished record holds SampleEnd models.
+PROTOCOL_VERSION: Literal[2] = 2
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -17,7 +20,7 @@ class WireModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    v: Literal[1] = PROTOCOL_VERSION
+    v: Literal[2] = PROTOCOL_VERSION
 
 
 M = TypeVar("M", bound=WireModel)
@@ -32,7 +35,9 @@ def decode(cls: type[M], data: str | bytes) -> M:
 
 
 class SamplingSpec(BaseModel):
-    """How to sample; the same fields and meaning as the engine's SamplingParams."""
+    """How to sample: the one definition on the wire. The gateway's request schemas hold the API's limits
+    and build it; the worker converts it into the engine's SamplingParams in one function
+    (gpu_worker.assignments.sampling_params), and a test keeps the three in step."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -81,6 +86,19 @@ class Assignment(WireModel):
     reserved_blocks: int
 
 
+class WireError(BaseModel):
+    """An error as it travels: its code (what the gateway maps to a status) and a message for people."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: ErrorCode
+    message: str
+
+    @classmethod
+    def of(cls, error: CodedError) -> WireError:
+        return cls(code=error.code, message=error.message)
+
+
 class TokenLogprob(BaseModel):
     """The chosen token's log-probability and the top alternatives."""
 
@@ -106,7 +124,21 @@ class TokenEvent(WireModel):
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int
     worker_id: str
-    error: str | None = None
+    error: WireError | None = None
+
+    @property
+    def sample_end(self) -> SampleEnd | None:
+        """What the finished record keeps of the event's end (None while the sample goes on)."""
+        if self.finish_reason is None:
+            return None
+        return SampleEnd(finish_reason=self.finish_reason, error=self.error)
+
+
+class SampleEnd(WireModel):
+    """How one sample ended: the value of its field (the sample index) in the request's finished record."""
+
+    finish_reason: FinishReason
+    error: WireError | None = None
 
 
 class AbortMessage(WireModel):
@@ -127,7 +159,7 @@ class SchedulerStats(WireModel):
         return _to_hash(self)
 
     @classmethod
-    def from_hash(cls, fields: Mapping[str, str] | Mapping[bytes, bytes]) -> SchedulerStats:
+    def from_hash(cls, fields: Mapping[str, str]) -> SchedulerStats:
         return cls.model_validate(_from_hash(fields))
 
 
@@ -136,8 +168,8 @@ def _to_hash(message: WireModel) -> dict[str, str]:
     return {k: json.dumps(v) for k, v in message.model_dump().items()}
 
 
-def _from_hash(fields: Mapping[str, str] | Mapping[bytes, bytes]) -> dict[str, object]:
-    return {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in fields.items()}
+def _from_hash(fields: Mapping[str, str]) -> dict[str, object]:
+    return {k: json.loads(v) for k, v in fields.items()}
 
 
 class Heartbeat(WireModel):
@@ -167,5 +199,5 @@ class Heartbeat(WireModel):
         return _to_hash(self)
 
     @classmethod
-    def from_hash(cls, fields: Mapping[str, str] | Mapping[bytes, bytes]) -> Heartbeat:
+    def from_hash(cls, fields: Mapping[str, str]) -> Heartbeat:
         return cls.model_validate(_from_hash(fields))

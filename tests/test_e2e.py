@@ -23,9 +23,10 @@ import requests
 import torch
 
 from gpu_worker import LLM, LLMEngine, SamplingParams
+from gpu_worker.settings import WorkerSettings, engine_config
 from shared.keys import Keys
-from shared.protocol import Heartbeat
-from shared.settings import WorkerSettings
+from shared.protocol import Heartbeat, SampleEnd, decode
+from shared.redis_client import connect
 
 MODEL_NAME = "tiny-llama"
 NUM_KV_BLOCKS = 128
@@ -104,7 +105,7 @@ def cluster(
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
     }
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_url)
     c = Cluster(f"http://127.0.0.1:{port}", client, Keys(prefix), env, tmp_path_factory.mktemp("logs"), {})
     c.start("scheduler", "scheduler_svc")
     for wid in WORKERS:
@@ -329,11 +330,11 @@ def test_client_disconnect_aborts_the_request(cluster: Cluster) -> None:
     # The connection is closed here; the gateway notices and the worker drops the request long before its
     # 1000 tokens, and its blocks are back in the pool.
     cluster.wait_idle(timeout=30)
-    flags = [k.decode() for k in cluster.redis.scan_iter(match=cluster.keys.abort_flag("*"))]
-    disconnected = [k for k in flags if cluster.redis.get(k) == b"client_disconnect"]
+    flags = list(cluster.redis.scan_iter(match=cluster.keys.abort_flag("*")))
+    disconnected = [k for k in flags if cluster.redis.get(k) == "client_disconnect"]
     assert len(disconnected) == 1
     rid = disconnected[0][len(cluster.keys.abort_flag("")) - len(":abort") : -len(":abort")]
-    assert cluster.redis.hget(cluster.keys.finished(rid), "0") == b"abort"
+    assert decode(SampleEnd, cluster.redis.hget(cluster.keys.finished(rid), "0")).finish_reason == "abort"
     assert 3 <= cluster.redis.llen(cluster.keys.tokens(rid, 0)) < 1000
 
 
@@ -385,8 +386,9 @@ def test_serving_benchmark_smoke(cluster: Cluster, tiny_model_path: str, tmp_pat
 
     # The worker's settings as the cluster's environment gives them; the engine is built as main() builds it.
     settings = WorkerSettings(model=tiny_model_path, num_kv_blocks=NUM_KV_BLOCKS)
-    config = serving.engine_config(settings)
-    assert config.num_kv_blocks == NUM_KV_BLOCKS and serving.engine_config(settings, 7).num_kv_blocks == 7
+    config = engine_config(settings)
+    assert config.num_kv_blocks == NUM_KV_BLOCKS
+    assert engine_config(settings, num_kv_blocks=7).num_kv_blocks == 7
     engine = LLMEngine(settings.model, config, dtype=settings.dtype, device=settings.device)
     scenarios = serving.make_scenarios(4, [20.0], 2, seed=0)
     assert [s.name for s in scenarios] == ["rate 20/s", "concurrency 2"]

@@ -25,24 +25,30 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from gateway.app import create_app
-from gateway.errors import generation_failed
+from gateway.errors import HTTP_ERRORS, APIError
 from gateway.generation import Generation, GenerationTimeout, Prepared
 from gateway.output import SampleOutput
-from gateway.streaming import GenerationError
+from gateway.settings import GatewaySettings
+from gateway.token_receiver import GenerationError
 from gateway.tokenization import Tokenizer, load_tokenizer
+from scheduler_svc.service import SchedulerService
+from scheduler_svc.settings import SchedulerSettings
+from shared.errors import ErrorCode
 from shared.keys import Keys
 from shared.protocol import (
     AbortMessage,
     GenerateRequest,
     Heartbeat,
+    SampleEnd,
     SamplingSpec,
     SchedulerStats,
     TokenEvent,
     TokenLogprob,
+    WireError,
     decode,
     encode,
 )
-from shared.settings import GatewaySettings
+from shared.records import push_event
 
 REPO = Path(__file__).resolve().parents[1]
 TICK_S = 0.05
@@ -111,18 +117,20 @@ def emit(
     *,
     logprobs: list[TokenLogprob] | None = None,
     record: bool = True,
-    error: str | None = None,
+    error: WireError | None = None,
 ) -> None:
-    """What a worker does after a step: record the tokens, note the end, publish the event."""
-    if record and token_ids:
-        r.rpush(keys.tokens(rid, index), *token_ids)
-    if record and finish is not None:
-        r.hset(keys.finished(rid), str(index), finish)
+    """What a worker does after a step: record the tokens and the end, publish the event (record=False:
+    only publish it)."""
     event = TokenEvent(
         request_id=rid, index=index, start=start, token_ids=token_ids, logprobs=logprobs,
         finish_reason=finish, num_prompt_tokens=3, worker_id="w0", error=error,
     )
-    r.publish(keys.events(rid), encode(event))
+    pipe = r.pipeline(transaction=False)
+    if record:
+        push_event(pipe, keys, event, ttl_s=60)
+    else:
+        pipe.publish(keys.events(rid), encode(event))
+    pipe.execute()
 
 
 class FakeWorker(threading.Thread):
@@ -328,20 +336,31 @@ def test_ends_recorded_without_their_last_event_are_recovered(r, keys, tok) -> N
     emit(r, keys, gen.request_id, 0, 0, ids[:1])
     # The worker recorded the rest and the end, then died before publishing.
     r.rpush(keys.tokens(gen.request_id, 0), *ids[1:])
-    r.hset(keys.finished(gen.request_id), "0", "stop")
+    r.hset(keys.finished(gen.request_id), "0", encode(SampleEnd(finish_reason="stop")))
     list(gen.updates())
     gen.close()
     assert (gen.samples[0].text, gen.samples[0].finish_reason) == (" the end", "stop")
 
 
-def test_an_error_event_fails_the_request(r, keys, tok) -> None:
+def test_an_error_recorded_without_its_event_fails_the_request_with_its_code(r, keys, tok) -> None:
     gen = make_generation(r, keys, tok)
-    emit(r, keys, gen.request_id, 0, 0, [], "error", error="prompt of 9000 tokens reaches max_model_len 2048")
+    error = WireError(code=ErrorCode.KV_CAPACITY_EXCEEDED, message="does not fit")
+    r.hset(keys.finished(gen.request_id), "0", encode(SampleEnd(finish_reason="error", error=error)))
     with pytest.raises(GenerationError) as info:
         list(gen.updates())
     gen.close()
-    assert generation_failed(str(info.value)).status == 400  # can never run: the client's problem
-    assert generation_failed("the engine failed while running this request").status == 500
+    assert (info.value.code, info.value.message) == (ErrorCode.KV_CAPACITY_EXCEEDED, "does not fit")
+
+
+def test_an_error_event_fails_the_request_with_its_code(r, keys, tok) -> None:
+    gen = make_generation(r, keys, tok)
+    error = WireError(code=ErrorCode.CONTEXT_LENGTH_EXCEEDED, message="prompt of 9000 tokens reaches 2048")
+    emit(r, keys, gen.request_id, 0, 0, [], "error", error=error)
+    with pytest.raises(GenerationError) as info:
+        list(gen.updates())
+    gen.close()
+    assert info.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    assert APIError.of(info.value).status == 400  # can never run: the client's problem
 
 
 def test_a_request_past_its_timeout_is_aborted(r, keys, tok) -> None:
@@ -418,7 +437,16 @@ def assert_openai_error(response: Any, status: int, kind: str = "invalid_request
     error = response.get_json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == kind and error["message"]
+    assert HTTP_ERRORS[ErrorCode(error["code"])] == (status, kind)  # every error carries its code
     return error
+
+
+def test_every_error_code_has_a_status_and_a_type() -> None:
+    assert set(HTTP_ERRORS) == set(ErrorCode)
+    for code, (status, kind) in HTTP_ERRORS.items():
+        body = APIError(code, "m").body()["error"]
+        assert body == {"message": "m", "type": kind, "param": None, "code": code}
+        assert (400 <= status < 500) == (kind != "server_error"), code
 
 
 @pytest.mark.usefixtures("worker")
@@ -673,14 +701,44 @@ def test_chat_two_samples_stop_strings_and_usage(client, r, keys, tok) -> None:
 
 @pytest.mark.usefixtures("worker")
 def test_an_error_from_the_worker(client, r, keys) -> None:
+    error = WireError(code=ErrorCode.ENGINE_ERROR, message="the engine failed while running it")
+
     def respond(request: GenerateRequest) -> None:
-        emit(r, keys, request.request_id, 0, 0, [], "error", error="the engine failed while running it")
+        emit(r, keys, request.request_id, 0, 0, [], "error", error=error)
 
     fake = FakeWorker(r, keys, respond)
     fake.start()
     response = client.post(CMPL, json={"prompt": "hi"})
     fake.join()
-    assert_openai_error(response, 500, "server_error")
+    assert assert_openai_error(response, 500, "server_error")["code"] == "engine_error"
+
+
+@pytest.fixture
+def scheduler(redis_url: str, redis_prefix: str) -> Iterator[SchedulerService]:
+    """The real scheduler service, running in a thread."""
+    service = SchedulerService(SchedulerSettings(redis_url=redis_url, redis_prefix=redis_prefix))
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    yield service
+    service.stop()
+    thread.join(timeout=10)
+
+
+@pytest.mark.usefixtures("worker", "scheduler")
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_that_fits_the_context_but_no_kv_pool_is_a_400(client, tok, stream: bool) -> None:
+    # The worker holds 40 blocks of 16 tokens (2 kept free); the model's context is 2048 tokens.
+    prompt = tok.encode(" word") * 1000
+    response = client.post(CMPL, json={"prompt": prompt, "max_tokens": 4, "stream": stream})
+    if stream:
+        assert response.status_code == 200
+        events = sse_events(response.get_data(as_text=True))
+        assert events[-1] == "data: [DONE]"
+        (error,) = [e["error"] for e in data_of(events) if "error" in e]
+        assert error["type"] == "invalid_request_error"
+    else:
+        error = assert_openai_error(response, 400)
+    assert error["code"] == "kv_capacity_exceeded" and "KV blocks" in error["message"]
 
 
 # -- streaming ----------------------------------------------------------------------------------------------
@@ -734,16 +792,19 @@ def test_completion_stream_with_keep_alive_and_stop_string(client, r, keys, tok)
 
 @pytest.mark.usefixtures("worker")
 def test_stream_error_event(client, r, keys) -> None:
+    error = WireError(code=ErrorCode.KV_CAPACITY_EXCEEDED, message="1000 tokens do not fit in the KV pool")
+
     def respond(request: GenerateRequest) -> None:
-        emit(r, keys, request.request_id, 0, 0, [], "error", error="1000 tokens do not fit in the KV pool")
+        emit(r, keys, request.request_id, 0, 0, [], "error", error=error)
 
     fake = FakeWorker(r, keys, respond)
     fake.start()
     events = sse_events(client.post(CMPL, json={"prompt": "x", "stream": True}).get_data(as_text=True))
     fake.join()
     assert events[-1] == "data: [DONE]"
-    (error,) = data_of(events)
-    assert error["error"]["type"] == "invalid_request_error" and "fit" in error["error"]["message"]
+    (event,) = data_of(events)
+    assert event["error"]["type"] == "invalid_request_error"
+    assert event["error"]["code"] == "kv_capacity_exceeded" and "fit" in event["error"]["message"]
 
 
 @pytest.mark.usefixtures("worker")

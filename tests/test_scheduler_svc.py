@@ -21,18 +21,21 @@ from scheduler_svc.admission import Admit, WorkerRoom, plan_admissions
 from scheduler_svc.failover import resume_request
 from scheduler_svc.queue import QueuedRequest, WaitingQueue
 from scheduler_svc.service import SchedulerService
+from scheduler_svc.settings import SchedulerSettings
+from shared.errors import ErrorCode
 from shared.keys import SCHEDULER_GROUP, Keys
 from shared.protocol import (
     Assignment,
     GenerateRequest,
     Heartbeat,
+    SampleEnd,
     SamplingSpec,
     SchedulerStats,
     TokenEvent,
     decode,
     encode,
 )
-from shared.settings import SchedulerSettings
+from shared.records import parse_ends
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16
@@ -285,10 +288,10 @@ def test_dead_worker_requests_resume_elsewhere(
     # The worker streamed some tokens, finished a few samples, then died (its heartbeat expired).
     client.rpush(keys.tokens("multi", 0), 5, 6, 7)
     client.rpush(keys.tokens("multi", 1), 8)
-    client.hset(keys.finished("multi"), "1", "stop")
+    client.hset(keys.finished("multi"), "1", encode(SampleEnd(finish_reason="stop")))
     client.rpush(keys.tokens("single", 0), 9)
     client.rpush(keys.tokens("done", 0), 1, 2)
-    client.hset(keys.finished("done"), "0", "length")
+    client.hset(keys.finished("done"), "0", encode(SampleEnd(finish_reason="length")))
     client.set(keys.abort_flag("aborted"), 1)
     client.delete(keys.worker("w1"))
     heartbeat(client, keys, "w2")
@@ -333,7 +336,7 @@ def test_sweep_waits_for_the_lock_and_spares_a_worker_that_came_back(
 
 def test_resume_request_keeps_the_longest_record() -> None:
     request = make_request("r", n=2).model_copy(update={"samples": [0, 1], "resume": {0: [1, 2, 3]}})
-    assert resume_request(request, {"0": "stop", "1": "length"}, {}) is None
+    assert resume_request(request, {0, 1}, {}) is None
     resumed = resume_request(request, {}, {0: [1], 1: [4, 5]})
     assert resumed is not None
     assert resumed.samples == [0, 1] and resumed.resume == {0: [1, 2, 3], 1: [4, 5]}
@@ -372,8 +375,13 @@ def test_never_fits_gets_error_events(
         ("long", 0, "error", "scheduler", 0),
     ]
     assert all(e.error and e.num_prompt_tokens > 0 for e in events)
-    assert "KV blocks" in next(e.error or "" for e in events if e.request_id == "huge")
-    assert "max_model_len" in next(e.error or "" for e in events if e.request_id == "long")
+    errors = {e.request_id: e.error for e in events if e.error is not None}
+    huge, long = errors["huge"], errors["long"]
+    assert huge.code is ErrorCode.KV_CAPACITY_EXCEEDED and "KV blocks" in huge.message
+    assert long.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and "max_model_len" in long.message
+    # Recorded as well, for a gateway that misses the event.
+    ends = parse_ends(cast(dict[str, str], client.hgetall(keys.finished("huge"))))
+    assert ends == {i: SampleEnd(finish_reason="error", error=errors["huge"]) for i in (0, 1)}
     assert [e.request.request_id for e in svc.queue] == ["head"]
     assert num_pending(client, keys) == 1 and inbox_rids(client, keys, "w1") == []
 

@@ -9,27 +9,45 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.settings import CommonSettings, GatewaySettings, SchedulerSettings, WorkerSettings, parse_settings
+from gateway.settings import GatewaySettings
+from gpu_worker.config import EngineConfig
+from gpu_worker.settings import WorkerSettings, engine_config
+from scheduler_svc.settings import SchedulerSettings
+from shared.settings import CommonSettings, parse_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = {"gateway": GatewaySettings, "scheduler_svc": SchedulerSettings, "gpu_worker": WorkerSettings}
+COMPOSE_SERVICES = {"gateway": GatewaySettings, "scheduler": SchedulerSettings, "worker": WorkerSettings}
 
 
 def env_names(cls: type[CommonSettings]) -> set[str]:
     return {name.upper() for name in cls.model_fields}
 
 
-def test_readme_lists_every_setting() -> None:
-    readme = (ROOT / "README.md").read_text()
-    for cls in SERVICES.values():
-        for name in env_names(cls):
-            assert f"`{name}`" in readme, name
+def readme_row(name: str) -> str:
+    """The README's settings-table row for a field: the services that read it, its default, its meaning."""
+    owners = [service for service, cls in COMPOSE_SERVICES.items() if name in cls.model_fields]
+    field = COMPOSE_SERVICES[owners[0]].model_fields[name]
+    if field.default_factory is not None:
+        default = "`host-pid`"  # the worker id: computed per process
+    elif field.default is None:
+        default = ""
+    else:
+        default = f"`{field.default if field.default != '' else '(none)'}`"
+    services = "all" if len(owners) == len(COMPOSE_SERVICES) else ", ".join(owners)
+    return f"| `{name.upper()}` | {services} | {default} | {field.description} |".replace("|  |", "| |")
+
+
+def test_readme_table_states_every_setting_as_the_code_does() -> None:
+    rows = {line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `")}
+    names = {name for cls in SERVICES.values() for name in cls.model_fields}
+    for name in names:
+        assert readme_row(name) in rows, readme_row(name)
 
 
 def test_compose_uses_only_known_settings() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    services = {"gateway": GatewaySettings, "scheduler": SchedulerSettings, "worker": WorkerSettings}
-    for service, cls in services.items():
+    for service, cls in COMPOSE_SERVICES.items():
         environment = compose["services"][service]["environment"]
         unknown = set(environment) - env_names(cls)
         assert not unknown, f"{service}: {unknown}"
@@ -53,3 +71,25 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert parse_settings(WorkerSettings, []).max_num_seqs == 7
     with pytest.raises(ValueError):
         parse_settings(WorkerSettings, ["--block-size", "many"])
+
+
+def test_the_engine_config_comes_from_the_worker_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine option is a worker setting of the same name, read from the environment."""
+    values = {
+        "block_size": 8,
+        "num_kv_blocks": 9,
+        "kv_cache_memory_bytes": 4096,
+        "gpu_memory_utilization": 0.5,
+        "max_num_seqs": 3,
+        "max_num_batched_tokens": 64,
+        "max_model_len": 100,
+        "enable_prefix_caching": False,
+        "seed": 42,
+    }
+    assert set(values) == set(EngineConfig.model_fields)
+    for name, value in values.items():
+        monkeypatch.setenv(name.upper(), str(value))
+    assert engine_config(parse_settings(WorkerSettings, [])) == EngineConfig(**values)
+    assert engine_config(parse_settings(WorkerSettings, ["--seed", "5"])).seed == 5
+    with pytest.raises(ValueError, match="block_size"):
+        parse_settings(WorkerSettings, ["--block-size", "12"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -11,18 +12,20 @@ import redis
 
 from gpu_worker import LLM, SamplingParams
 from gpu_worker.service import WorkerService
+from gpu_worker.settings import WorkerSettings
+from shared.errors import ErrorCode
 from shared.keys import Keys
 from shared.protocol import (
     AbortMessage,
     Assignment,
     GenerateRequest,
     Heartbeat,
+    SampleEnd,
     SamplingSpec,
     TokenEvent,
     decode,
     encode,
 )
-from shared.settings import WorkerSettings
 
 PROMPT = [5, 17, 230, 4000, 77, 12, 9, 301, 45, 46, 47, 48, 1000, 2000, 3000, 4000, 5000, 6000]
 
@@ -103,7 +106,7 @@ def test_tokens_streamed_recorded_and_equal_to_offline(worker: WorkerService, of
     assert events[-1].finish_reason == "length"
     assert all(e.logprobs and len(e.logprobs[0].top) == 2 for e in events)
     assert [int(t) for t in client.lrange(keys.tokens("r1", 0), 0, -1)] == tokens
-    assert client.hget(keys.finished("r1"), "0") == b"length"
+    assert decode(SampleEnd, client.hget(keys.finished("r1"), "0")) == SampleEnd(finish_reason="length")
     assert not client.hexists(keys.assigned("w1"), "r1")
     # The inbox entry was acknowledged and the heartbeat says the engine took it.
     assert client.xpending(keys.inbox("w1"), "worker")["pending"] == 0
@@ -154,8 +157,60 @@ def test_request_that_cannot_fit_gets_an_error_event(worker: WorkerService) -> N
     pubsub = subscribe(client, keys, "r5")
     assign(client, keys, request("r5", max_tokens=64 * 16))
     events = collect(worker, pubsub, 1)
-    assert events[-1].finish_reason == "error" and "KV pool" in (events[-1].error or "")
+    error = events[-1].error
+    assert events[-1].finish_reason == "error" and error is not None
+    assert error.code is ErrorCode.KV_CAPACITY_EXCEEDED and "KV pool" in error.message
+    # Recorded too, for a gateway that missed the event.
+    assert decode(SampleEnd, client.hget(keys.finished("r5"), "0")).error == error
     assert not client.hexists(keys.assigned("w1"), "r5")
+
+
+def inbox_entry(rid: str, **extra: object) -> str:
+    """An assignment as JSON, with fields it should not have."""
+    data = json.loads(encode(Assignment(worker_id="w1", request=request(rid, n=2), reserved_blocks=2)))
+    for path, value in extra.items():
+        *parents, name = path.split("__")
+        target = data
+        for parent in parents:
+            target = target[parent]
+        target[name] = value
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"priority_class": "gold"},  # unknown at the top
+        {"request__sampling__beam_width": 4},  # unknown inside the sampling spec
+        {"request__sampling__temperature": "hot"},  # of the wrong type
+        {"v": 99},  # another protocol version
+    ],
+)
+def test_an_unreadable_assignment_is_answered_with_an_error_and_the_worker_goes_on(
+    worker: WorkerService, extra: dict[str, object]
+) -> None:
+    client, keys = worker.redis, worker.keys
+    pubsub = subscribe(client, keys, "bad")
+    client.xadd(keys.inbox("w1"), {"data": inbox_entry("bad", **extra)})
+    client.hset(keys.assigned("w1"), "bad", "{}")
+    client.xadd(keys.inbox("w1"), {"nothing": "here"})  # no data at all: nobody to answer, only dropped
+    events = collect(worker, pubsub, 2)
+    assert [(e.index, e.finish_reason) for e in events] == [(0, "error"), (1, "error")]
+    assert all(e.error is not None and e.error.code is ErrorCode.PROTOCOL_ERROR for e in events)
+    assert not client.hexists(keys.assigned("w1"), "bad")
+    assert client.xpending(keys.inbox("w1"), "worker")["pending"] == 0
+    # The next request runs as usual.
+    pubsub = subscribe(client, keys, "good")
+    assign(client, keys, request("good"))
+    assert collect(worker, pubsub, 1)[-1].finish_reason == "length"
+
+
+def test_sampling_values_the_engine_refuses_are_an_error_event(worker: WorkerService) -> None:
+    client, keys = worker.redis, worker.keys
+    pubsub = subscribe(client, keys, "r10")
+    assign(client, keys, request("r10", top_p=7.0))  # the gateway never sends it; the worker must not die
+    error = collect(worker, pubsub, 1)[-1].error
+    assert error is not None and error.code is ErrorCode.INVALID_REQUEST and "top_p" in error.message
 
 
 def test_assignment_of_an_aborted_request_is_dropped(worker: WorkerService) -> None:

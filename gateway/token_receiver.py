@@ -1,4 +1,5 @@
-"""A request's token events, in order per sample: duplicates dropped, gaps filled from the token record."""
+"""A request's token events as the gateway receives them: in order per sample, duplicates dropped, gaps filled
+from the token record."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from typing import Any
 import pydantic
 import redis
 
+from shared.errors import CodedError, ErrorCode
 from shared.keys import Keys
-from shared.protocol import TokenEvent, TokenLogprob, decode
+from shared.protocol import TokenEvent, TokenLogprob, WireError, decode
+from shared.records import parse_ends, parse_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +23,12 @@ SUBSCRIBE_TIMEOUT_S = 5.0
 MAX_EVENTS_PER_POLL = 256
 
 
-class GenerationError(Exception):
-    """A worker or the scheduler failed the request (the text comes from them), or its tokens were lost."""
+class GenerationError(CodedError):
+    """A worker or the scheduler failed the request (code and text are theirs), or its tokens were lost."""
+
+    @classmethod
+    def of(cls, error: WireError) -> GenerationError:
+        return cls(error.code, error.message)
 
 
 @dataclass(slots=True)
@@ -35,7 +42,7 @@ class SampleTokens:
     arrived_at: float = field(default_factory=time.monotonic)
 
 
-class EventStream:
+class TokenReceiver:
     """Subscribes to a request's channel (before the request is queued) and hands its tokens over in order.
 
     Every event names the position of its first token, so per sample the next expected position is
@@ -89,19 +96,23 @@ class EventStream:
     def recover(self) -> list[SampleTokens]:
         """Samples whose end was recorded but whose last events never came (their worker died after
         recording them): the rest of their tokens, read from the record."""
-        reasons: dict[str, str] = self._client.hgetall(self._keys.finished(self.request_id))  # type: ignore[assignment]
+        fields: dict[str, str] = self._client.hgetall(self._keys.finished(self.request_id))  # type: ignore[assignment]
         out = []
-        for key, reason in sorted(reasons.items()):
-            index = int(key)
-            if 0 <= index < len(self.expected) and index not in self.finished:
-                tokens = self._record(index, self.expected[index], -1)
-                out.append(self._deliver(index, tokens, [None] * len(tokens), reason))
+        for index, end in sorted(parse_ends(fields).items()):
+            if not 0 <= index < len(self.expected) or index in self.finished:
+                continue
+            if end.error is not None:
+                raise GenerationError.of(end.error)
+            tokens = self._record(index, self.expected[index], -1)
+            out.append(self._deliver(index, tokens, [None] * len(tokens), end.finish_reason))
         return out
 
     def accept(self, event: TokenEvent) -> list[SampleTokens]:
         """The new part of an event; raises GenerationError for an event carrying an error."""
-        if event.error is not None or event.finish_reason == "error":
-            raise GenerationError(event.error or "the request failed")
+        if event.error is not None:
+            raise GenerationError.of(event.error)
+        if event.finish_reason == "error":
+            raise GenerationError(ErrorCode.INTERNAL_ERROR, "the request failed")
         index = event.index
         if not 0 <= index < len(self.expected) or index in self.finished:
             return []
@@ -118,7 +129,9 @@ class EventStream:
         elif event.start > expected:
             missed = self._record(index, expected, event.start - 1)
             if len(missed) != event.start - expected:
-                raise GenerationError(f"tokens {expected}..{event.start - 1} of sample {index} were lost")
+                raise GenerationError(
+                    ErrorCode.TOKENS_LOST, f"tokens {expected}..{event.start - 1} of sample {index} were lost"
+                )
             unknown: list[TokenLogprob | None] = [None] * len(missed)
             token_ids, logprobs = missed + token_ids, unknown + logprobs
         return [self._deliver(index, token_ids, logprobs, event.finish_reason)]
@@ -133,7 +146,7 @@ class EventStream:
 
     def _record(self, index: int, first: int, last: int) -> list[int]:
         values = self._client.lrange(self._keys.tokens(self.request_id, index), first, last)
-        return [int(v) for v in values]  # type: ignore[union-attr]
+        return parse_tokens(values)  # type: ignore[arg-type]
 
     def _parse(self, data: str | bytes) -> TokenEvent | None:
         try:

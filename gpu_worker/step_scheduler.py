@@ -11,7 +11,7 @@ from gpu_worker.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
-class SchedulerOutput:
+class StepSchedule:
     """One step's work: sequences with the number of new tokens each computes, and CoW copies to do first."""
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -26,7 +26,7 @@ class SchedulerOutput:
         return not self.seqs
 
 
-class Scheduler:
+class StepScheduler:
     """Continuous batching under a token budget: running sequences first, then waiting ones in priority order.
 
     One rule covers prefill, chunked prefill, prefix-cache hits and recompute after preemption: each step a
@@ -48,8 +48,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepSchedule:
+        out = StepSchedule()
         budget = self.config.max_num_batched_tokens
         num_preemptions = self.num_preemptions
         budget = self._schedule_running(out, budget)
@@ -59,7 +59,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: StepSchedule, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -88,7 +88,7 @@ class Scheduler:
             if victim is seq:
                 return False
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: StepSchedule, budget: int) -> None:
         if not self.waiting:
             return
         in_flight = self._blocks_in_flight()
@@ -165,7 +165,7 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
         self.num_preemptions += 1
 
-    def update_computed(self, out: SchedulerOutput) -> None:
+    def update_computed(self, out: StepSchedule) -> None:
         """After the forward pass: advance num_computed_tokens and publish newly full blocks to the cache."""
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
             seq.num_computed_tokens += num_new

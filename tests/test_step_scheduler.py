@@ -1,4 +1,4 @@
-"""Tests for gpu_worker.scheduler.Scheduler driven with a BlockAllocator and a fake model (no tensors)."""
+"""Tests for gpu_worker.step_scheduler.StepScheduler, driven with a BlockAllocator and a fake model."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from gpu_worker.block_allocator import BlockAllocator
 from gpu_worker.config import EngineConfig
 from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.scheduler import Scheduler, SchedulerOutput
 from gpu_worker.sequence import Sequence, SequenceStatus
+from gpu_worker.step_scheduler import StepSchedule, StepScheduler
 
 BS = 8
 
@@ -38,7 +38,7 @@ def distinct_prompt(tag: int, length: int) -> list[int]:
 
 @dataclass
 class StepResult:
-    out: SchedulerOutput
+    out: StepSchedule
     sampled: list[Sequence]  # sequences that received a token this step (forks included)
     preempted: list[Sequence]  # preempted during the step, in order (some may be readmitted at once)
     admitted: list[Sequence]  # scheduled from the waiting list (readmitted victims included)
@@ -58,7 +58,7 @@ class Sim:
     enable_prefix_caching: bool = True
     config: EngineConfig = field(init=False)
     allocator: BlockAllocator = field(init=False)
-    scheduler: Scheduler = field(init=False)
+    step_scheduler: StepScheduler = field(init=False)
     seqs: list[Sequence] = field(default_factory=list)
     num_steps: int = 0
     forked: bool = False
@@ -76,17 +76,17 @@ class Sim:
             enable_prefix_caching=self.enable_prefix_caching,
         )
         self.allocator = BlockAllocator(self.num_blocks, BS, self.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.allocator)
+        self.step_scheduler = StepScheduler(self.config, self.allocator)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._victims: list[Sequence] = []
-        preempt = self.scheduler._preempt
+        preempt = self.step_scheduler._preempt
 
         def record_preempt(seq: Sequence) -> None:
             self._victims.append(seq)
             preempt(seq)
 
-        self.scheduler._preempt = record_preempt  # type: ignore[method-assign]
+        self.step_scheduler._preempt = record_preempt  # type: ignore[method-assign]
 
     def add(self, prompt: Seq[int], max_tokens: int, *, priority: int = 0, n: int = 1) -> Sequence:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n)
@@ -99,12 +99,12 @@ class Sim:
             arrival=next(self._arrivals),
         )
         self.seqs.append(seq)
-        self.scheduler.add(seq)
+        self.step_scheduler.add(seq)
         self.check_state()
         return seq
 
     def step(self) -> StepResult:
-        sched = self.scheduler
+        sched = self.step_scheduler
         running_before = list(sched.running)
         waiting_before = list(sched.waiting)
         preemptions_before = sched.num_preemptions
@@ -141,13 +141,13 @@ class Sim:
         return StepResult(out, sampled, preempted, admitted)
 
     def run(self, max_steps: int = 2000) -> None:
-        while self.scheduler.has_unfinished():
+        while self.step_scheduler.has_unfinished():
             self.step()
             assert self.num_steps <= max_steps, "no progress"
 
     # -- checks ------------------------------------------------------------------------------------------
 
-    def check_output(self, out: SchedulerOutput) -> None:
+    def check_output(self, out: StepSchedule) -> None:
         """Right after schedule(): the batch respects the budget and every table covers its new tokens."""
         assert len(out.seqs) == len(out.num_new_tokens)
         assert len(set(map(id, out.seqs))) == len(out.seqs), "a sequence scheduled twice"
@@ -155,7 +155,7 @@ class Sim:
         self.max_batched_seen = max(self.max_batched_seen, out.num_batched_tokens)
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             assert n > 0
-            assert seq.status is SequenceStatus.RUNNING and seq in self.scheduler.running
+            assert seq.status is SequenceStatus.RUNNING and seq in self.step_scheduler.running
             assert seq.num_computed_tokens + n <= seq.num_tokens
             assert len(seq.block_table) * BS >= seq.num_computed_tokens + n
         for src, dst in out.copy_pairs:
@@ -163,13 +163,13 @@ class Sim:
 
     def shares_prefix_in_flight(self, seq: Sequence) -> bool:
         """A running sequence still prefilling holds the same first full block as seq."""
-        if not self.scheduler.allocator.enable_prefix_caching or (seq.num_tokens - 1) // BS < 1:
+        if not self.step_scheduler.allocator.enable_prefix_caching or (seq.num_tokens - 1) // BS < 1:
             return False
-        return any(r.token_ids[:BS] == seq.token_ids[:BS] for r in self.scheduler.running)
+        return any(r.token_ids[:BS] == seq.token_ids[:BS] for r in self.step_scheduler.running)
 
     def check_order(
         self,
-        out: SchedulerOutput,
+        out: StepSchedule,
         running_before: list[Sequence],
         waiting_before: list[Sequence],
         preempted: list[Sequence],
@@ -187,18 +187,18 @@ class Sim:
         # Waiting order: those admitted came before every sequence still waiting, except one held back because
         # a running sequence is computing the same prefix block (it will hit the cache instead).
         for seq in admitted:
-            for w in self.scheduler.waiting:
+            for w in self.step_scheduler.waiting:
                 assert seq.sort_key() < w.sort_key() or self.shares_prefix_in_flight(w)
         # Preemption takes the lowest-priority, latest-arrival running sequences and drops their KV cache.
         for victim in preempted:
             assert all(s.sort_key() < victim.sort_key() for s in still_running)
             if victim not in admitted:
-                assert victim.status is SequenceStatus.WAITING and victim in self.scheduler.waiting
+                assert victim.status is SequenceStatus.WAITING and victim in self.step_scheduler.waiting
         return admitted
 
     def check_state(self) -> None:
         """Between steps: lists sorted, tables exactly account for every refcount, allocator consistent."""
-        sched, alloc = self.scheduler, self.allocator
+        sched, alloc = self.step_scheduler, self.allocator
         alloc.check_invariants()
         assert sched.running == sorted(sched.running, key=Sequence.sort_key)
         assert sched.waiting == sorted(sched.waiting, key=Sequence.sort_key)
@@ -223,7 +223,7 @@ class Sim:
         assert alloc.num_used_blocks == len(refs)
 
     def check_drained(self) -> None:
-        assert not self.scheduler.has_unfinished()
+        assert not self.step_scheduler.has_unfinished()
         for seq in self.seqs:
             assert seq.is_finished and seq.finish_reason == "length"
             assert seq.output_token_ids == expected_output(seq), f"seq {seq.seq_id}"
@@ -312,7 +312,7 @@ def test_waiting_order_priority_then_arrival() -> None:
     for i, (priority, name) in enumerate(specs):
         names[sim.add(distinct_prompt(i, 3), 2, priority=priority).seq_id] = name
     order: list[str] = []
-    while sim.scheduler.has_unfinished():
+    while sim.step_scheduler.has_unfinished():
         res = sim.step()
         order += [names[s.seq_id] for s in res.admitted]
         if len(order) == 2 and "urgent" not in names.values():
@@ -337,8 +337,8 @@ def test_preemption_of_lowest_priority_latest_arrival() -> None:
         res = sim.step()
         if res.preempted:
             first = res
-    assert first.preempted == [z] and sim.scheduler.num_preemptions == 1
-    assert z.status is SequenceStatus.WAITING and z in sim.scheduler.waiting
+    assert first.preempted == [z] and sim.step_scheduler.num_preemptions == 1
+    assert z.status is SequenceStatus.WAITING and z in sim.step_scheduler.waiting
     assert z.block_table == [] and z.num_computed_tokens == 0 and z.num_cached_blocks == 0
     assert z.num_output_tokens == BS + 1  # its tokens are kept for recompute
     # Its blocks went back to the pool (some may already be reused by the survivors).
@@ -346,7 +346,7 @@ def test_preemption_of_lowest_priority_latest_arrival() -> None:
     assert all(sim.allocator.ref_count(b) == int(b in survivors) for b in tables[z.seq_id])
     sim.run()
     sim.check_drained()
-    assert sim.scheduler.num_preemptions >= 1
+    assert sim.step_scheduler.num_preemptions >= 1
 
 
 def test_preempted_sequence_recomputes_before_sampling_again() -> None:
@@ -380,7 +380,7 @@ def test_preempted_sequence_is_not_readmitted_in_the_same_step() -> None:
     assert b.num_computed_tokens == BS
     thrash: list[int] = []  # steps where B was preempted and then scheduled again at once
     recomputed = 0
-    while sim.scheduler.has_unfinished():
+    while sim.step_scheduler.has_unfinished():
         computed_before = b.num_computed_tokens
         res = sim.step()
         if b in res.preempted and b in res.out.seqs:
@@ -399,7 +399,7 @@ def test_everyone_completes_under_pressure() -> None:
         sim.add(distinct_prompt(i, 3 + 5 * i % 13), 4 + 7 * i % 19, priority=i % 3)
     sim.run()
     sim.check_drained()
-    assert sim.scheduler.num_preemptions > 0
+    assert sim.step_scheduler.num_preemptions > 0
 
 
 # -- prefix cache ----------------------------------------------------------------------------------------
@@ -432,10 +432,10 @@ def test_prefix_cache_hit_visible_at_schedule_time() -> None:
     base = distinct_prompt(0, 3 * BS + 2)
     _run_one(sim, base, 1)
     second = sim.add([*base[: 3 * BS], 7], 1)
-    out = sim.scheduler.schedule()
+    out = sim.step_scheduler.schedule()
     assert second.num_computed_tokens == 3 * BS and out.num_new_tokens == [1]
-    sim.scheduler.update_computed(out)
-    sim.scheduler.finish(second, "length")
+    sim.step_scheduler.update_computed(out)
+    sim.step_scheduler.finish(second, "length")
     sim.allocator.check_invariants()
     assert sim.allocator.num_free_blocks == sim.allocator.num_blocks
 
@@ -463,7 +463,7 @@ def test_shared_prefix_arriving_together_is_computed_once() -> None:
     res = sim.step()
     # The second waits while the first computes the shared blocks; a later arrival with nothing in common
     # goes ahead of it.
-    assert res.out.seqs == [first, other] and second in sim.scheduler.waiting
+    assert res.out.seqs == [first, other] and second in sim.step_scheduler.waiting
     res = sim.step()
     assert second in res.admitted and second.block_table[:4] == first.block_table[:4]
     assert sim.allocator.num_prefix_hits >= 4
@@ -595,12 +595,12 @@ def run_workload(w: Workload) -> Sim:
     sim = Sim(w.num_blocks, w.max_num_batched_tokens, w.max_num_seqs, w.enable_prefix_caching)
     for a in w.arrivals:
         for _ in range(a.gap):
-            if sim.scheduler.has_unfinished():
+            if sim.step_scheduler.has_unfinished():
                 sim.step()
         sim.add(a.prompt, a.max_tokens, priority=a.priority, n=a.n)
     sim.run(max_steps=3000)
     sim.check_drained()
-    event(f"preempted: {sim.scheduler.num_preemptions > 0}")
+    event(f"preempted: {sim.step_scheduler.num_preemptions > 0}")
     event(f"prefix hits: {sim.allocator.num_prefix_hits > 0}")
     event(f"copy-on-write: {sim.allocator.num_cow_copies > 0}")
     return sim

@@ -1,0 +1,37 @@
+"""The worker's settings: the engine's own options (EngineConfig) plus what the service adds.
+
+`python -m gpu_worker --help` lists them. The engine's config is derived from them by `engine_config`, the one
+place the two meet.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from gpu_worker.config import EngineConfig
+from shared.settings import CommonSettings
+
+
+class WorkerSettings(CommonSettings, EngineConfig):
+    """One engine process (one accelerator)."""
+
+    model_config = SettingsConfigDict(
+        extra="ignore", case_sensitive=False, protected_namespaces=(), validate_assignment=True
+    )
+
+    worker_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}", description="unique worker name"
+    )
+    device: str | None = Field(None, description="cuda, cuda:N or cpu (default: cuda when present)")
+    dtype: str = Field("auto", description="float32, bfloat16, float16 or auto")
+    heartbeat_interval_s: float = Field(1.0, description="seconds between heartbeats")
+
+
+def engine_config(settings: WorkerSettings, **overrides: object) -> EngineConfig:
+    """The engine's config from the worker's settings (overrides win: a benchmark pinning the pool size)."""
+    values = settings.model_dump(include=set(EngineConfig.model_fields))
+    return EngineConfig.model_validate({**values, **overrides})

@@ -1,0 +1,94 @@
+"""The worker registry as every reader sees it: the gateway (back-pressure, /ready, /metrics), the scheduler
+(admission, failover) and the container health checks.
+
+A worker registers its id in the workers set and keeps a heartbeat hash with a TTL; a registered worker whose
+heartbeat has expired is dead (the scheduler re-queues its requests and removes it from the set). The
+scheduler publishes its queue's state the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import pydantic
+import redis
+
+from shared.keys import Keys
+from shared.protocol import Heartbeat, SchedulerStats
+from shared.redis_client import NamedPipeline
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RegistrySnapshot:
+    """Every registered worker, as of one read."""
+
+    live: dict[str, Heartbeat] = field(default_factory=dict)
+    dead: list[str] = field(default_factory=list)  # registered, heartbeat expired
+    # A heartbeat that exists but cannot be read (a worker of another version): neither live nor dead.
+    unreadable: list[str] = field(default_factory=list)
+    # Requests assigned to each live worker (filled when asked for).
+    num_assigned: dict[str, int] = field(default_factory=dict)
+
+
+class WorkerRegistry:
+    """Reads the workers set, their heartbeats and the scheduler's stats; writes nothing."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self._client = client
+        self._keys = keys
+
+    def worker_ids(self) -> list[str]:
+        members: set[str] = self._client.smembers(self._keys.workers)  # type: ignore[assignment]
+        return sorted(members)
+
+    def live_worker_ids(self) -> list[str]:
+        """Registered workers whose heartbeat exists (two round trips; reads no heartbeat's fields)."""
+        worker_ids = self.worker_ids()
+        if not worker_ids:
+            return []
+        pipe = NamedPipeline(self._client)
+        for wid in worker_ids:
+            pipe.named(wid).exists(self._keys.worker(wid))
+        alive = pipe.execute()
+        return [wid for wid in worker_ids if alive[wid]]
+
+    def read(self, *, count_assigned: bool = False) -> RegistrySnapshot:
+        """Every registered worker's heartbeat (and assignment count): two round trips."""
+        worker_ids = self.worker_ids()
+        snapshot = RegistrySnapshot()
+        if not worker_ids:
+            return snapshot
+        pipe = NamedPipeline(self._client)
+        for wid in worker_ids:
+            pipe.named(("heartbeat", wid)).hgetall(self._keys.worker(wid))
+            if count_assigned:
+                pipe.named(("assigned", wid)).hlen(self._keys.assigned(wid))
+        replies = pipe.execute()
+        for wid in worker_ids:
+            fields = replies[("heartbeat", wid)]
+            if not fields:
+                snapshot.dead.append(wid)
+                continue
+            try:
+                snapshot.live[wid] = Heartbeat.from_hash(fields)
+            except (pydantic.ValidationError, ValueError) as exc:
+                logger.warning("unreadable heartbeat of worker %s: %s", wid, exc)
+                snapshot.unreadable.append(wid)
+                continue
+            if count_assigned:
+                snapshot.num_assigned[wid] = int(replies[("assigned", wid)])
+        return snapshot
+
+    def scheduler_stats(self) -> SchedulerStats | None:
+        """The scheduler's last stats, or None when none is fresh (or they cannot be read)."""
+        fields: dict[str, str] = self._client.hgetall(self._keys.scheduler_stats)  # type: ignore[assignment]
+        if not fields:
+            return None
+        try:
+            return SchedulerStats.from_hash(fields)
+        except (pydantic.ValidationError, ValueError):
+            logger.warning("unreadable scheduler stats")
+            return None

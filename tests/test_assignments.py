@@ -1,0 +1,127 @@
+"""One sampling spec: the gateway's schema builds it, the wire carries it, the worker converts it.
+
+A field added on one side only fails here, not as a TypeError inside a worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gateway.prepare import prepare_chat, prepare_completion
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
+from gateway.tokenization import Tokenizer, load_tokenizer
+from gpu_worker.assignments import engine_requests, read_assignment, salvage_request, sampling_params
+from gpu_worker.sampling_params import SamplingParams
+from shared.errors import CodedError, ErrorCode, RequestRejected
+from shared.protocol import Assignment, GenerateRequest, SamplingSpec, encode
+
+# Options of the offline API that never travel: the gateway detokenizes itself.
+ENGINE_ONLY = {"skip_special_tokens"}
+# Computed by the gateway per endpoint (max_completion_tokens, top_logprobs), not copied from the body.
+PER_ENDPOINT = {"max_tokens", "logprobs"}
+
+# A value other than the default for every field of the spec.
+NON_DEFAULT = {
+    "n": 3,
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 5,
+    "min_p": 0.05,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "repetition_penalty": 1.2,
+    "seed": 11,
+    "max_tokens": 7,
+    "min_tokens": 2,
+    "stop_token_ids": [3, 4],
+    "ignore_eos": True,
+    "logprobs": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path: str) -> Tokenizer:
+    return load_tokenizer(tiny_model_path)
+
+
+def test_the_spec_and_the_engine_params_have_the_same_fields() -> None:
+    spec_fields = set(SamplingSpec.model_fields)
+    param_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert spec_fields == param_fields - ENGINE_ONLY
+    assert set(NON_DEFAULT) == spec_fields
+    defaults = SamplingSpec()
+    assert all(getattr(defaults, name) != value for name, value in NON_DEFAULT.items())
+
+
+def test_every_spec_field_reaches_the_engine() -> None:
+    params = sampling_params(SamplingSpec(**NON_DEFAULT))  # type: ignore[arg-type]
+    assert {name: getattr(params, name) for name in NON_DEFAULT} == NON_DEFAULT
+    assert dataclasses.asdict(sampling_params(SamplingSpec())) == dataclasses.asdict(SamplingParams())
+
+
+def test_the_gateway_schema_sets_every_spec_field(tok: Tokenizer) -> None:
+    body_fields = set(SamplingBody.model_fields)
+    assert set(SamplingSpec.model_fields) - PER_ENDPOINT <= body_fields
+    for name in set(SamplingSpec.model_fields) - PER_ENDPOINT:
+        body_default = SamplingBody.model_fields[name].get_default(call_default_factory=True)
+        assert body_default == SamplingSpec.model_fields[name].get_default(call_default_factory=True), name
+    common = {k: v for k, v in NON_DEFAULT.items() if k not in PER_ENDPOINT}
+    completion = CompletionRequest.model_validate({"prompt": "hi", "max_tokens": 7, "logprobs": 2, **common})
+    chat = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 7,
+            "logprobs": True,
+            "top_logprobs": 2,
+            **common,
+        }
+    )
+    for prepared in (prepare_completion(completion, tok), prepare_chat(chat, tok)):
+        assert prepared.request.sampling == SamplingSpec(**NON_DEFAULT)  # type: ignore[arg-type]
+
+
+def test_values_the_engine_refuses_are_rejected_with_a_code() -> None:
+    with pytest.raises(RequestRejected) as info:
+        sampling_params(SamplingSpec(top_p=0.0))
+    assert info.value.code is ErrorCode.INVALID_REQUEST and "top_p" in info.value.message
+
+
+def make_request(**update: object) -> GenerateRequest:
+    spec = SamplingSpec(n=2, seed=100, max_tokens=10, min_tokens=4)
+    request = GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling=spec, arrival_time=1.0)
+    return request.model_copy(update=update)
+
+
+def test_a_fresh_request_is_one_engine_request() -> None:
+    (plan,) = engine_requests(make_request())
+    assert (plan.engine_id, plan.index, plan.start, plan.prompt_token_ids) == ("r", None, 0, [1, 2, 3])
+    assert plan.params is not None and plan.params.n == 2 and plan.params.seed == 100
+
+
+def test_resumed_samples_continue_with_their_own_seed_and_what_is_left() -> None:
+    plans = engine_requests(make_request(samples=[1, 0], resume={0: [7] * 10, 1: [8, 9]}))
+    assert [(p.engine_id, p.index, p.start) for p in plans] == [("r#1", 1, 2), ("r#0", 0, 10)]
+    one, zero = plans
+    assert one.prompt_token_ids == [1, 2, 3, 8, 9]
+    assert one.params is not None
+    assert (one.params.n, one.params.seed, one.params.max_tokens, one.params.min_tokens) == (1, 101, 8, 2)
+    assert zero.params is None  # it had all its tokens already
+
+
+def test_an_unreadable_assignment_is_a_protocol_error_and_its_request_is_salvaged() -> None:
+    good = encode(Assignment(worker_id="w", request=make_request(), reserved_blocks=1))
+    assert read_assignment(good).request == make_request()
+    bad = good.replace('"reserved_blocks":1', '"reserved_blocks":1,"extra":true')
+    with pytest.raises(CodedError) as info:
+        read_assignment(bad)
+    assert info.value.code is ErrorCode.PROTOCOL_ERROR and "extra" in info.value.message
+    assert salvage_request(bad) == make_request()
+    worse = good.replace('"top_k":0', '"top_k":"many"')
+    salvaged = salvage_request(worse)
+    assert salvaged is not None and (salvaged.request_id, salvaged.sample_indices()) == ("r", [0, 1])
+    assert salvage_request('{"request": {}}') is None
+    assert salvage_request("not json") is None
+    with pytest.raises(CodedError):
+        read_assignment(None)
