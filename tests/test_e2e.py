@@ -86,7 +86,10 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(
-    tiny_model_path: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+    tiny_model_path: str,
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    without_engine: dict[str, str],
 ) -> Iterator[Cluster]:
     prefix = f"pagedserve-e2e-{uuid.uuid4().hex[:10]}"
     port = _free_port()
@@ -107,10 +110,11 @@ def cluster(
     }
     client = connect(redis_url)
     c = Cluster(f"http://127.0.0.1:{port}", client, Keys(prefix), env, tmp_path_factory.mktemp("logs"), {})
-    c.start("scheduler", "scheduler_svc")
+    # The gateway and the scheduler run as their images do: without torch and the engine's packages.
+    c.start("scheduler", "scheduler_svc", **without_engine)
     for wid in WORKERS:
         c.start(wid, "gpu_worker", WORKER_ID=wid)
-    c.start("gateway", "gateway")
+    c.start("gateway", "gateway", **without_engine)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -164,6 +168,40 @@ PROMPTS = [
 def offline_text(offline: LLM, prompts: list[str], max_tokens: int) -> list[str]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     return [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (gunicorn's workers under the gateway's master)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree
+
+
+def mapped_files(pid: int) -> set[str]:
+    return {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/" in line}
+
+
+def test_gateway_and_scheduler_serve_without_torch(cluster: Cluster, without_engine: dict[str, str]) -> None:
+    """Their processes run where torch and the engine cannot be imported, and none has torch loaded."""
+    out = cluster.client().completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, temperature=0)
+    assert out.usage is not None and out.usage.completion_tokens == 4
+    gateway = process_tree(cluster.processes["gateway"].pid)
+    assert len(gateway) == 1 + int(cluster.env["GATEWAY_WORKERS"])  # the master and its workers
+    for pid in [*gateway, cluster.processes["scheduler"].pid]:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert f"PYTHONPATH={without_engine['PYTHONPATH']}".encode() in environ
+        assert not [f for f in mapped_files(pid) if "libtorch" in f or "/torch/" in f]
+    worker = cluster.processes[WORKERS[0]].pid
+    assert [f for f in mapped_files(worker) if "libtorch" in f]  # what the check would see
 
 
 def test_completions_match_offline_engine(cluster: Cluster, offline: LLM) -> None:

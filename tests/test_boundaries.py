@@ -1,0 +1,153 @@
+"""The boundary between the services: the gateway, the scheduler and shared/ never import the engine or torch,
+their dependencies install without torch, and a GGUF model's tokenizer is read without torch.
+
+The end-to-end cluster (test_e2e.py) runs the gateway and the scheduler under `without_engine` and checks that
+no torch library is mapped into their processes.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from shared.model_files import default_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_FREE_PACKAGES = ("gateway", "scheduler_svc", "shared")
+ENGINE_MODULES = {"torch", "gpu_worker", "kernels"}
+# What the service image holds (docker/Dockerfile, target `service`).
+SERVICE_IMAGE_FILES = ("pyproject.toml", "README.md", "shared", "gateway", "scheduler_svc")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Top-level names of every module a file imports, at its top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", ENGINE_FREE_PACKAGES)
+def test_no_engine_import_in_the_source(package: str) -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): found
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if (found := imported_modules(path) & ENGINE_MODULES)
+    }
+    assert not offenders
+
+
+def run(
+    args: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        args, env={**os.environ, **(env or {})}, cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.parametrize("module", sorted(ENGINE_MODULES))
+def test_the_blocker_hides_the_engine_as_if_not_installed(
+    module: str, without_engine: dict[str, str]
+) -> None:
+    """The environment the gateway and the scheduler run under in the tests: a test that relies on it fails
+    if it stops working."""
+    probe = f"import importlib.util; assert importlib.util.find_spec({module!r}) is None; import {module}"
+    result = run([sys.executable, "-c", probe], without_engine)
+    assert result.returncode == 1 and "ModuleNotFoundError" in result.stderr, result.stderr
+    assert run([sys.executable, "-c", f"import {module}"]).returncode == 0  # and only there
+
+
+@pytest.mark.slow
+def test_a_gguf_tokenizer_is_read_without_torch_as_transformers_reads_it(
+    without_engine: dict[str, str], smollm2_path: str, tmp_path: Path
+) -> None:
+    gguf = Path(default_model_path())
+    cache = {"PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    result = run([sys.executable, "-m", "shared.model_files", str(gguf)], {**without_engine, **cache})
+    assert result.returncode == 0, result.stderr
+    folder = Path(result.stdout.strip())
+    assert folder.parent == tmp_path / "cache"
+    ours = AutoTokenizer.from_pretrained(folder)
+    theirs = AutoTokenizer.from_pretrained(
+        gguf.parent, gguf_file=gguf.name
+    )  # transformers' reader needs torch
+    assert json.loads(ours.backend_tokenizer.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
+    assert ours.chat_template == theirs.chat_template
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (
+        theirs.bos_token,
+        theirs.eos_token,
+        theirs.pad_token,
+    )
+    chat = [{"role": "user", "content": "What is the capital of France? Ça va, 日本?"}]
+    assert (
+        ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+        == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
+    config = json.loads((folder / "config.json").read_text())
+    model_config = AutoConfig.from_pretrained(smollm2_path)
+    assert config["max_position_embeddings"] == model_config.max_position_embeddings
+    assert config["vocab_size"] == model_config.vocab_size
+    # Once extracted, it is reused.
+    again = run([sys.executable, "-m", "shared.model_files", str(gguf)], {**without_engine, **cache})
+    assert again.stdout == result.stdout
+
+
+def test_the_service_image_carries_no_engine() -> None:
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    stage = dockerfile.split(" AS service\n", 1)[1].split("\nFROM ", 1)[0]
+    instructions = [line for line in stage.splitlines() if line and not line.startswith("#")]
+    assert not [line for line in instructions if "torch" in line.lower()]
+    copied = {name for line in instructions if line.startswith("COPY ") for name in line.split()[1:-1]}
+    assert copied == set(SERVICE_IMAGE_FILES)
+    assert any("'.[gateway,scheduler]'" in line for line in instructions)
+
+
+@pytest.mark.venv
+@pytest.mark.parametrize(("extra", "module"), [("gateway", "gateway"), ("scheduler", "scheduler_svc")])
+def test_a_service_installs_from_its_extra_without_torch(extra: str, module: str, tmp_path: Path) -> None:
+    """A fresh venv with only the service's extra, from what its image holds: no torch, and it starts."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in SERVICE_IMAGE_FILES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, source / name)
+    venv = tmp_path / "venv"
+    assert run([sys.executable, "-m", "venv", str(venv)]).returncode == 0
+    python = str(venv / "bin" / "python")
+    installed = run([python, "-m", "pip", "install", "-q", f"{source}[{extra}]"], cwd=tmp_path)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    assert (
+        run([python, "-c", "import importlib.util as u; assert u.find_spec('torch') is None"]).returncode == 0
+    )
+    helped = run([python, "-m", module, "--help"], cwd=tmp_path)  # the installed package, not the checkout
+    assert helped.returncode == 0 and "[env REDIS_URL," in " ".join(helped.stdout.split()), helped.stderr
+    if extra == "gateway":  # and it reads the default model's tokenizer from its GGUF file
+        cache = {"PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+        folder = run([python, "-m", "shared.model_files", default_model_path()], cache, cwd=tmp_path)
+        assert folder.returncode == 0, folder.stderr[-3000:]
+        tokenizer_folder = folder.stdout.strip()
+        probe = (
+            "import sys; from gateway.tokenization import Tokenizer; "
+            "print(Tokenizer(sys.argv[1]).encode('Paris'))"
+        )
+        encoded = run([python, "-c", probe, tokenizer_folder], cwd=tmp_path)
+        assert encoded.returncode == 0, encoded.stderr[-3000:]
+        expected = AutoTokenizer.from_pretrained(tokenizer_folder).encode("Paris", add_special_tokens=False)
+        assert json.loads(encoded.stdout) == expected
