@@ -447,6 +447,7 @@ def test_every_error_code_has_a_status_and_a_type() -> None:
         body = APIError(code, "m").body()["error"]
         assert body == {"message": "m", "type": kind, "param": None, "code": code}
         assert (400 <= status < 500) == (kind != "server_error"), code
+        assert f"| `{code}` | {status} | `{kind}` |" in (REPO / "README.md").read_text(), code
 
 
 @pytest.mark.usefixtures("worker")
