@@ -18,7 +18,8 @@ import redis
 
 from gpu_worker.settings import WorkerSettings
 from shared.keys import Keys
-from shared.protocol import Heartbeat
+from shared.redis_client import connect
+from shared.registry import WorkerRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600  # a GGUF model is de-quantized on the first start
@@ -27,17 +28,16 @@ READY_BANNER = b"pagedserve is ready"  # what scripts/run.sh prints once the ser
 
 def worker_blocks(redis_url: str, keys: Keys) -> int | None:
     """The KV pool size a live worker under these keys reports, if one does."""
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, decode_responses=True)
+    registry = WorkerRegistry(connect(redis_url, socket_connect_timeout=2), keys)
     with contextlib.suppress(redis.RedisError):
-        for wid in sorted(client.smembers(keys.workers)):  # type: ignore[arg-type]
-            if fields := client.hgetall(keys.worker(str(wid))):
-                return Heartbeat.from_hash(fields).total_blocks  # type: ignore[arg-type]
+        for heartbeat in registry.read().live.values():
+            return heartbeat.total_blocks
     return None
 
 
 def delete_keys(redis_url: str, keys: Keys) -> dict[str, int]:
     """Deletes every key under the prefix; returns how many of each kind there were (ids as *)."""
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, decode_responses=True)
+    client = connect(redis_url, socket_connect_timeout=2)
     kinds: Counter[str] = Counter()
     with contextlib.suppress(redis.ConnectionError):  # a Redis that run.sh started is gone with it
         for pattern in keys.all_patterns():

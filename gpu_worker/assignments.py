@@ -12,6 +12,9 @@ from gpu_worker.sampling_params import SamplingParams
 from shared.errors import CodedError, ErrorCode, RequestRejected
 from shared.protocol import Assignment, GenerateRequest, SamplingSpec, decode
 
+# An unreadable assignment is answered with one error event per sample; a garbled count cannot ask for more.
+MAX_SALVAGED_SAMPLES = 128
+
 
 def sampling_params(spec: SamplingSpec, **overrides: Any) -> SamplingParams:
     """The engine's SamplingParams for a wire SamplingSpec, field by field (overrides win).
@@ -109,6 +112,6 @@ def salvage_request(data: str | None) -> GenerateRequest | None:
     return GenerateRequest(
         request_id=request_id,
         prompt_token_ids=[],
-        sampling=SamplingSpec(n=max(1, min(n, 128))),
+        sampling=SamplingSpec(n=max(1, min(n, MAX_SALVAGED_SAMPLES))),
         arrival_time=0.0,
     )
