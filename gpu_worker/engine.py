@@ -124,7 +124,7 @@ class LLMEngine:
             priority=priority,
             arrival=next(self._arrivals),
         )
-        seq.generator = self._generator(params, 0)
+        seq.seed = self._sample_seed(params, 0)
         self.requests[request_id] = [seq]
         self.step_scheduler.add(seq)
 
@@ -147,11 +147,12 @@ class LLMEngine:
                 f"{max_len} tokens do not fit in the KV pool of {self.allocator.num_blocks} blocks",
             )
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+    def _sample_seed(self, params: SamplingParams, index: int) -> int | None:
+        """Sample i of a seeded request draws with seed + i; an unseeded one gets a seed of its own, so that
+        its draws too stay the same when it is preempted and recomputed."""
         if params.greedy:
             return None
-        seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
-        return torch.Generator(self.device).manual_seed(seed)
+        return params.seed + index if params.seed is not None else self._rng.getrandbits(63)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks are back in the pool when this returns."""
@@ -193,7 +194,7 @@ class LLMEngine:
             # n > 1: the siblings are born now, sharing the computed prompt, and sample from the same logits.
             for index in range(1, seq.num_pending_forks + 1):
                 child = self.step_scheduler.fork(seq, next(self._seq_ids), index)
-                child.generator = self._generator(seq.params, index)
+                child.seed = self._sample_seed(seq.params, index)
                 self.requests[seq.request_id].append(child)
                 seqs.append(child)
                 rows.append(row)

@@ -18,11 +18,35 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The seed of a sample's draw for the token at `position` (its index in prompt + output).
+
+    A sample's draws depend on its seed and the position alone, never on how many draws came before: a
+    sample recomputed after preemption, or resumed on another worker from the tokens it streamed, goes on
+    exactly as it would have. The two are mixed (splitmix64's finalizer) so that neighbouring seeds and
+    positions give unrelated streams.
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1  # 63 bits: what every torch generator takes
+
+
 class Sampler:
     """Samples one token per row of logits; row i belongs to seqs[i]."""
 
     def __init__(self, eos_token_ids: set[int]) -> None:
         self.eos_token_ids = eos_token_ids
+        self._generators: dict[torch.device, torch.Generator] = {}  # one per device, reseeded per draw
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device)
+        return generator
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [num_rows, vocab_size]
@@ -79,8 +103,7 @@ class Sampler:
             row -= params.frequency_penalty * counts.to(row.dtype)
             row -= params.presence_penalty * (counts > 0).to(row.dtype)
 
-    @staticmethod
-    def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         # logits: [num_rows, vocab_size] -> [num_rows] token ids
         device = logits.device
         temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
@@ -94,11 +117,16 @@ class Sampler:
         if bool((min_p > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        # Exponential race (argmax p / E with E ~ Exp(1)) samples from p; each row draws its noise from its
-        # own generator, so a seeded request gets the same tokens whatever else shares the batch.
+        # Exponential race (argmax p / E with E ~ Exp(1)) samples from p; each row's noise comes from its own
+        # seed and position, so a seeded request gets the same tokens whatever else shares the batch.
         noise = torch.empty_like(probs)
+        generator = self._generator(device)
         for i, seq in enumerate(seqs):
-            noise[i].exponential_(generator=seq.generator)
+            if seq.seed is None:  # no seed of its own: the global generator
+                noise[i].exponential_()
+                continue
+            generator.manual_seed(draw_seed(seq.seed, seq.num_tokens))
+            noise[i].exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)
 
 

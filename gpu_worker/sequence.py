@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from gpu_worker.sampling_params import SamplingParams
 
 
@@ -24,7 +22,6 @@ class Sequence:
         "arrival",
         "block_table",
         "finish_reason",
-        "generator",
         "index",
         "last_block_hash",
         "logprobs",
@@ -35,6 +32,7 @@ class Sequence:
         "params",
         "priority",
         "request_id",
+        "seed",
         "seq_id",
         "status",
         "token_ids",
@@ -68,7 +66,8 @@ class Sequence:
         self.last_block_hash: int | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
-        self.generator: torch.Generator | None = None
+        # The seed of this sample's draws (None: greedy, or the global generator); see Sampler.
+        self.seed: int | None = None
         # Samples still to be forked from this one once its prompt is computed (n > 1).
         self.num_pending_forks = params.n - 1
         self.logprobs: list[float] = []

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -27,6 +28,7 @@ from gpu_worker.settings import WorkerSettings, engine_config
 from shared.keys import Keys
 from shared.protocol import Heartbeat, SampleEnd, decode
 from shared.redis_client import connect
+from shared.registry import WorkerRegistry
 
 MODEL_NAME = "tiny-llama"
 NUM_KV_BLOCKS = 128
@@ -59,13 +61,18 @@ class Cluster:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
+    def worker_ids(self) -> list[str]:
+        """The workers started (and not killed) so far."""
+        return [name for name, proc in self.processes.items() if name.startswith("w") and proc.poll() is None]
+
     def heartbeats(self) -> dict[str, Heartbeat]:
-        beats = {}
-        for wid in WORKERS:
-            fields = self.redis.hgetall(self.keys.worker(wid))
-            if fields:
-                beats[wid] = Heartbeat.from_hash(fields)
-        return beats
+        return WorkerRegistry(self.redis, self.keys).read().live
+
+    def wait_for_workers(self, count: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.heartbeats()) < count:
+            assert time.monotonic() < deadline, f"fewer than {count} workers are live\n{self.logs_tail()}"
+            time.sleep(0.2)
 
     def wait_idle(self, timeout: float = 60) -> dict[str, Heartbeat]:
         """Until every live worker reports nothing running and every block free."""
@@ -465,39 +472,36 @@ def test_serving_benchmark_smoke(cluster: Cluster, tiny_model_path: str, tmp_pat
     assert json.loads(json.dumps(rows)) == rows
 
 
-def test_killed_worker_resumes_on_the_other(cluster: Cluster, offline: LLM) -> None:
-    """kill -9 mid-generation: one stream, no gap, no duplicate, identical greedy output."""
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.95, "seed": 1234}],
+    ids=["greedy", "seeded"],
+)
+def test_killed_worker_resumes_on_the_other(cluster: Cluster, offline: LLM, sampling: dict[str, Any]) -> None:
+    """kill -9 mid-generation: one stream, no gap, no duplicate, the same output as an uninterrupted run
+    (a seeded sample's draws depend only on its seed and the token position)."""
     prompt = PROMPTS[3]
-    expected = (
-        offline.generate(
-            [prompt], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False
-        )[0]
-        .outputs[0]
-        .text
-    )
-    body = {
-        "model": MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": 300,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
+    params = SamplingParams(**sampling, max_tokens=300, ignore_eos=True)
+    expected = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 300, "stream": True, "ignore_eos": True}
     pieces: list[str] = []
     killed = None
-    with requests.post(f"{cluster.base_url}/v1/completions", json=body, stream=True, timeout=120) as response:
+    with requests.post(
+        f"{cluster.base_url}/v1/completions", json={**body, **sampling}, stream=True, timeout=120
+    ) as response:
         for line in response.iter_lines():
             if not line.startswith(b"data: {"):
                 continue
             chunk = json.loads(line[len(b"data: ") :])
             pieces.extend(c["text"] for c in chunk["choices"])
             if killed is None and len(pieces) == 20:
-                holder = [w for w in WORKERS if cluster.redis.hlen(cluster.keys.assigned(w))]
+                holder = [w for w in cluster.worker_ids() if cluster.redis.hlen(cluster.keys.assigned(w))]
                 assert len(holder) == 1
                 killed = holder[0]
                 cluster.processes[killed].send_signal(signal.SIGKILL)
     assert killed is not None
     assert "".join(pieces) == expected
-    # Bring the worker back so the module's other tests (and teardown) see two.
+    # Bring a worker back so the module's other tests (and teardown) see two.
     cluster.processes[killed].wait()
     cluster.start(f"{killed}-again", "gpu_worker", WORKER_ID=f"{killed}-again")
+    cluster.wait_for_workers(2)

@@ -9,7 +9,7 @@ from collections.abc import Sequence as Seq
 import pytest
 import torch
 
-from gpu_worker.sampler import Sampler, SamplerOutput, _truncate_top_k_top_p
+from gpu_worker.sampler import Sampler, SamplerOutput, _truncate_top_k_top_p, draw_seed
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.sequence import Sequence
 
@@ -27,11 +27,11 @@ def make_seq(
     seed: int | None = 0,
     seq_id: int = 0,
 ) -> Sequence:
-    """A sequence with the given prompt and already-sampled output; non-greedy rows get a seeded generator."""
+    """A sequence with the given prompt and already-sampled output; non-greedy rows get the seed."""
     seq = Sequence(seq_id, f"req-{seq_id}", list(prompt), params)
     seq.token_ids.extend(output)
-    if not params.greedy and seed is not None:
-        seq.generator = torch.Generator().manual_seed(seed)
+    if not params.greedy:
+        seq.seed = seed
     return seq
 
 
@@ -54,11 +54,8 @@ def logits_for_probs(probs: dict[int, float], rest: float = 0.0) -> torch.Tensor
 def draw_counts(
     row: torch.Tensor, params: SamplingParams, n: int = NUM_DRAWS, seed: int = 0, eos: Seq[int] = (EOS,)
 ) -> Counter[int]:
-    """n independent draws from one logit row: n sequences sharing one seeded generator, in one batch."""
-    gen = torch.Generator().manual_seed(seed)
-    seqs = [make_seq(params, seed=None, seq_id=i) for i in range(n)]
-    for s in seqs:
-        s.generator = gen
+    """n independent draws from one logit row: n sequences with seeds of their own, in one batch."""
+    seqs = [make_seq(params, seed=seed * n + i, seq_id=i) for i in range(n)]
     out = Sampler(set(eos))(row.unsqueeze(0).expand(n, -1).contiguous(), seqs)
     return Counter(out.token_ids)
 
@@ -206,7 +203,9 @@ def test_empirical_distribution_matches_softmax(temperature: float) -> None:
 def _draw_sequence(seed: int, params: SamplingParams, steps: int = 30) -> list[int]:
     seq = make_seq(params, seed=seed)
     sampler = Sampler({EOS})
-    return [sampler(rand_logits(1, seed=1000 + i, scale=0.5), [seq]).token_ids[0] for i in range(steps)]
+    for i in range(steps):
+        seq.token_ids.append(sampler(rand_logits(1, seed=1000 + i, scale=0.5), [seq]).token_ids[0])
+    return seq.output_token_ids
 
 
 def test_same_seed_same_draws() -> None:
@@ -237,9 +236,22 @@ def test_seeded_row_is_independent_of_its_batch() -> None:
             out = sampler(logits, rows)
             batched.append(out.token_ids[layout])
             for seq, token in zip(rows, out.token_ids, strict=True):
-                if seq is not target:
-                    seq.token_ids.append(token)
+                seq.token_ids.append(token)
         assert batched == alone, f"layout {layout}"
+
+
+def test_a_draw_depends_only_on_the_seed_and_the_position() -> None:
+    """A sample resumed from the tokens it streamed (now part of its prompt) draws as it would have."""
+    params = SamplingParams(temperature=1.0)
+    sampler = Sampler({EOS})
+    steps, cut = 24, 9
+    whole = _draw_sequence(5, params, steps)
+    resumed = make_seq(params, prompt=[*PROMPT, *whole[:cut]], seed=5)
+    for i in range(cut, steps):
+        resumed.token_ids.append(sampler(rand_logits(1, seed=1000 + i, scale=0.5), [resumed]).token_ids[0])
+    assert resumed.token_ids[len(PROMPT) :] == whole
+    assert draw_seed(5, 10) != draw_seed(5, 11) and draw_seed(5, 10) != draw_seed(6, 10)
+    assert 0 <= draw_seed(-(2**63), 2**40) < 2**63
 
 
 # -- penalties -------------------------------------------------------------------------------------------
