@@ -189,8 +189,11 @@ class WorkerService:
                 pipe.hdel(self.keys.assigned(self.worker_id), assignment.request.request_id)
             else:
                 self._start(assignment.request, pipe)
-        # Handed on to the engine: from here a failure is recovered through the assigned hash, not the inbox.
-        pipe.xack(inbox, WORKER_GROUP, *[entry_id for entry_id, _ in entries])
+        # Handed on to the engine: from here a failure is recovered through the assigned hash, not the inbox,
+        # so the entries go (the scheduler counts reservations only from entries after inbox_last_id).
+        entry_ids = [entry_id for entry_id, _ in entries]
+        pipe.xack(inbox, WORKER_GROUP, *entry_ids)
+        pipe.xdel(inbox, *entry_ids)
         pipe.execute()
         self.inbox_last_id = entries[-1][0]
         return len(entries)

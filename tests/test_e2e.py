@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -470,6 +471,40 @@ def test_serving_benchmark_smoke(cluster: Cluster, tiny_model_path: str, tmp_pat
     assert png.stat().st_size > 0
     serving.print_table(rows)
     assert json.loads(json.dumps(rows)) == rows
+
+
+def keys_without_ttl(cluster: Cluster) -> set[str]:
+    return {
+        k for k in cluster.redis.scan_iter(match=f"{cluster.keys.prefix}:*") if cluster.redis.ttl(k) == -1
+    }
+
+
+def test_redis_memory_stays_bounded(cluster: Cluster) -> None:
+    """Hundreds of requests leave no key without a TTL behind them, and every stream drained."""
+    client = cluster.client()
+
+    def complete(i: int) -> None:
+        out = client.completions.create(model=MODEL_NAME, prompt=f"Request {i}:", max_tokens=2, temperature=0)
+        assert out.usage is not None and out.usage.completion_tokens == 2
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(complete, range(20)))
+        cluster.wait_idle()
+        before = keys_without_ttl(cluster)
+        list(pool.map(complete, range(300)))
+    cluster.wait_idle()
+    after = keys_without_ttl(cluster)
+    assert after == before
+    keys = cluster.keys
+    live = cluster.worker_ids()
+    assert after <= {
+        keys.requests,
+        keys.workers,
+        *(keys.inbox(w) for w in live),
+        *(keys.assigned(w) for w in live),
+    }
+    assert cluster.redis.xlen(keys.requests) == 0
+    assert all(cluster.redis.xlen(keys.inbox(w)) == 0 for w in live)
 
 
 @pytest.mark.parametrize(

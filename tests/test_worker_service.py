@@ -108,8 +108,9 @@ def test_tokens_streamed_recorded_and_equal_to_offline(worker: WorkerService, of
     assert [int(t) for t in client.lrange(keys.tokens("r1", 0), 0, -1)] == tokens
     assert decode(SampleEnd, client.hget(keys.finished("r1"), "0")) == SampleEnd(finish_reason="length")
     assert not client.hexists(keys.assigned("w1"), "r1")
-    # The inbox entry was acknowledged and the heartbeat says the engine took it.
+    # The inbox entry was acknowledged and deleted, and the heartbeat says the engine took it.
     assert client.xpending(keys.inbox("w1"), "worker")["pending"] == 0
+    assert client.xlen(keys.inbox("w1")) == 0
     worker.heartbeat()
     beat = Heartbeat.from_hash(client.hgetall(keys.worker("w1")))
     assert beat.inbox_last_id != "0-0"
