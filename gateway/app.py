@@ -5,13 +5,14 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pydantic
 import redis
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, current_app, jsonify, request
 from werkzeug.exceptions import UnsupportedMediaType
 
 from gateway import metrics, openapi
@@ -43,6 +44,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
 
 B = TypeVar("B", bound=pydantic.BaseModel)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# Past this much of a refused body, the connection is closed instead.
+DISCARD_LIMIT_BYTES = 64 << 20
 
 
 def _no_constants(name: str) -> Any:
@@ -53,14 +57,50 @@ def json_body() -> dict[str, Any]:
     """The request's JSON object: 415 when it is not JSON, 413 when too large, 400 when malformed."""
     if not request.is_json:
         raise UnsupportedMediaType()
-    raw = request.get_data(cache=True)  # over MAX_CONTENT_LENGTH: werkzeug raises 413
-    try:
-        data = json.loads(raw, parse_constant=_no_constants)
-    except (ValueError, RecursionError) as e:
-        raise bad_request(f"the body is not valid JSON: {e}", code=ErrorCode.INVALID_JSON) from e
+    data = _parse_json(_read_body(current_app.config["MAX_BODY_BYTES"]))
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object", code=ErrorCode.INVALID_JSON)
+    _check_text(data)
     return data
+
+
+def _read_body(limit: int) -> bytes:
+    """At most limit bytes of body, whether its length is declared or it comes in chunks."""
+    declared = request.content_length
+    raw = b"" if declared is not None and declared > limit else request.stream.read(limit + 1)
+    if len(raw) > limit or (declared is not None and declared > limit):
+        _discard(request.stream)
+        raise APIError(ErrorCode.BODY_TOO_LARGE, f"the request body is larger than {limit} bytes")
+    return raw
+
+
+def _discard(stream: Any) -> None:
+    """Read what is left of a refused body (up to a bound), so that a client still sending it gets the 413
+    rather than a reset connection."""
+    left = DISCARD_LIMIT_BYTES
+    while left > 0 and (chunk := stream.read(min(left, 1 << 16))):
+        left -= len(chunk)
+
+
+def _parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code=ErrorCode.INVALID_JSON) from e
+
+
+def _check_text(value: Any) -> None:
+    """JSON may escape half of a UTF-16 surrogate pair (`"\\ud800"`): such a string is no text to tokenize."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str) and _SURROGATE.search(item):
+            raise bad_request("the body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
 
 
 def validate(model: type[B], data: dict[str, Any]) -> B:
@@ -216,7 +256,8 @@ def create_app(settings: GatewaySettings | None = None) -> Flask:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
     app = Flask(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    # Read and limited by json_body (werkzeug's own limit truncates a chunked body silently).
+    app.config["MAX_BODY_BYTES"] = settings.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.json.ensure_ascii = False  # type: ignore[attr-defined]
     gateway = Gateway(settings)

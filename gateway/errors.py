@@ -5,9 +5,11 @@ The code (shared.errors.ErrorCode) decides the HTTP status and the OpenAI error 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
+from http import HTTPStatus
 
 import pydantic
 import redis
@@ -30,6 +32,8 @@ HTTP_ERRORS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
     ErrorCode.BODY_TOO_LARGE: (413, "invalid_request_error"),
     ErrorCode.UNSUPPORTED_MEDIA_TYPE: (415, "invalid_request_error"),
+    ErrorCode.URI_TOO_LONG: (414, "invalid_request_error"),
+    ErrorCode.HEADERS_TOO_LARGE: (431, "invalid_request_error"),
     ErrorCode.ENGINE_ERROR: (500, "server_error"),
     ErrorCode.PROTOCOL_ERROR: (500, "server_error"),
     ErrorCode.TOKENS_LOST: (500, "server_error"),
@@ -47,6 +51,13 @@ _HTTP_EXCEPTIONS: dict[int, tuple[ErrorCode, str]] = {
     405: (ErrorCode.METHOD_NOT_ALLOWED, "method not allowed on this endpoint"),
     413: (ErrorCode.BODY_TOO_LARGE, "the request body is too large"),
     415: (ErrorCode.UNSUPPORTED_MEDIA_TYPE, "the request body must be JSON (Content-Type: application/json)"),
+}
+
+
+# What gunicorn refuses before the app sees it (past its limits on the request line and headers), by status.
+_SERVER_REFUSALS: dict[int, tuple[ErrorCode, str]] = {
+    414: (ErrorCode.URI_TOO_LONG, "the request line is too long"),
+    431: (ErrorCode.HEADERS_TOO_LARGE, "the request's headers are too large"),
 }
 
 
@@ -81,6 +92,19 @@ class APIError(CodedError):
         if self.retry_after is not None:
             response.headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
         return response
+
+
+def raw_error_response(status: int, detail: str) -> bytes:
+    """A whole HTTP/1.1 response with an OpenAI-format error, for requests gunicorn refuses itself."""
+    code, message = _SERVER_REFUSALS.get(
+        status, (ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL_ERROR, detail)
+    )
+    body = json.dumps(APIError(code, message or HTTPStatus(status).phrase).body()).encode()
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode("latin-1") + body
 
 
 def bad_request(

@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from typing import Any
 
+from gunicorn import util
+
 from gateway.settings import GatewaySettings
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # the name prometheus_client reads
@@ -39,6 +41,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # It must be set before any worker imports prometheus_client, so here, in the master.
 if not os.environ.get(MULTIPROC_ENV):
     os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="pagedserve-gateway-metrics-")
+
+
+def _write_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
+    """gunicorn answers what it cannot parse (request line or headers past its limits, a malformed request)
+    before the app sees it, in HTML; the gateway's clients get OpenAI-format JSON instead."""
+    from gateway.errors import raw_error_response  # in a worker, where the app has imported it already
+
+    util.write_nonblock(sock, raw_error_response(status_int, mesg))
+
+
+# NOTE: gunicorn's workers look the function up on the module at each error; they are forked from this
+# process, so they all inherit the replacement.
+util.write_error = _write_error
 
 
 def on_starting(server: Any) -> None:

@@ -24,6 +24,8 @@ class ErrorCode(StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     BODY_TOO_LARGE = "body_too_large"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    URI_TOO_LONG = "uri_too_long"
+    HEADERS_TOO_LARGE = "headers_too_large"
     # The service cannot take the request now: retrying later may succeed.
     NO_WORKER = "no_worker"
     OVERLOADED = "overloaded"

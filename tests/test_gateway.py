@@ -92,8 +92,17 @@ def client(make_app: Callable[..., Flask]) -> FlaskClient:
 def add_worker(r: redis.Redis, keys: Keys, wid: str = "w0", free: int = 30, total: int = 40) -> None:
     now = time.time()
     beat = Heartbeat(
-        worker_id=wid, model="tiny", free_blocks=free, total_blocks=total, block_size=16, num_running=3,
-        num_waiting=2, last_step_time=now, started_at=now, max_model_len=2048, prompt_tokens_total=120,
+        worker_id=wid,
+        model="tiny",
+        free_blocks=free,
+        total_blocks=total,
+        block_size=16,
+        num_running=3,
+        num_waiting=2,
+        last_step_time=now,
+        started_at=now,
+        max_model_len=2048,
+        prompt_tokens_total=120,
         generation_tokens_total=45,
     )
     r.hset(keys.worker(wid), mapping=beat.to_hash())  # type: ignore[arg-type]
@@ -122,8 +131,15 @@ def emit(
     """What a worker does after a step: record the tokens and the end, publish the event (record=False:
     only publish it)."""
     event = TokenEvent(
-        request_id=rid, index=index, start=start, token_ids=token_ids, logprobs=logprobs,
-        finish_reason=finish, num_prompt_tokens=3, worker_id="w0", error=error,
+        request_id=rid,
+        index=index,
+        start=start,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=finish,
+        num_prompt_tokens=3,
+        worker_id="w0",
+        error=error,
     )
     pipe = r.pipeline(transaction=False)
     if record:
@@ -200,8 +216,14 @@ def data_of(events: list[str]) -> list[Any]:
 
 
 def make_generation(
-    r: redis.Redis, keys: Keys, tok: Tokenizer, *, n: int = 1, stop: list[str] | None = None,
-    logprobs: bool = False, timeout_s: float = 5.0,
+    r: redis.Redis,
+    keys: Keys,
+    tok: Tokenizer,
+    *,
+    n: int = 1,
+    stop: list[str] | None = None,
+    logprobs: bool = False,
+    timeout_s: float = 5.0,
 ) -> Generation:
     request = GenerateRequest(
         request_id=f"cmpl-{uuid.uuid4().hex}",
@@ -467,6 +489,11 @@ def test_bad_bodies_get_400_and_queue_nothing(client, r, keys, path, body, param
         (b"[1, 2]", "application/json", 400),
         (b'{"prompt": "x", "temperature": NaN}', "application/json", 400),
         (b'{"prompt": "\xff"}', "application/json", 400),
+        # Half a UTF-16 surrogate pair, escaped: valid JSON, but no text.
+        (b'{"prompt": "\\ud800"}', "application/json", 400),
+        (b'{"model": "\\udfff", "prompt": "x"}', "application/json", 400),
+        (b'{"prompt": "x", "stop": ["a\\ud83d"]}', "application/json", 400),
+        (b'{"prompt": "x", "\\ud800": 1}', "application/json", 400),
         (b'{"prompt": "x"}', "text/plain", 415),
         (b"prompt=x", "application/x-www-form-urlencoded", 415),
         (b"", None, 415),
@@ -607,9 +634,21 @@ def test_completion(client, r, keys, tok) -> None:
     fake = FakeWorker(r, keys, answer_with(r, keys, ids))
     fake.start()
     body = {
-        "prompt": "The capital of France is", "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
-        "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
-        "seed": 7, "stop_token_ids": [2], "ignore_eos": True, "min_tokens": 1, "priority": -3, "user": "u",
+        "prompt": "The capital of France is",
+        "max_tokens": 20,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 5,
+        "min_p": 0.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "seed": 7,
+        "stop_token_ids": [2],
+        "ignore_eos": True,
+        "min_tokens": 1,
+        "priority": -3,
+        "user": "u",
         "model": "SmolLM2-135M-Instruct",
     }
     response = client.post(CMPL, json=body)
@@ -621,8 +660,19 @@ def test_completion(client, r, keys, tok) -> None:
     assert request.prompt_token_ids == tok.encode("The capital of France is")
     assert request.priority == -3
     assert request.sampling == SamplingSpec(
-        n=1, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
-        repetition_penalty=1.2, seed=7, max_tokens=20, min_tokens=1, stop_token_ids=[2], ignore_eos=True,
+        n=1,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        seed=7,
+        max_tokens=20,
+        min_tokens=1,
+        stop_token_ids=[2],
+        ignore_eos=True,
     )
     assert out["object"] == "text_completion" and out["model"] == "SmolLM2-135M-Instruct"
     choice = {"index": 0, "text": " Paris is lovely.", "logprobs": None, "finish_reason": "length"}
@@ -673,7 +723,9 @@ def test_logprobs(client, r, keys, tok) -> None:
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == len(ids)
     assert content[0] == {
-        "token": " Paris", "logprob": -0.25, "bytes": list(b" Paris"),
+        "token": " Paris",
+        "logprob": -0.25,
+        "bytes": list(b" Paris"),
         "top_logprobs": [
             {"token": " Paris", "logprob": -0.25, "bytes": list(b" Paris")},
             {"token": " London", "logprob": -3.0, "bytes": list(b" London")},
@@ -928,6 +980,47 @@ def test_gunicorn_notices_a_client_that_hangs_up(gunicorn_url, r, keys) -> None:
         assert time.monotonic() < deadline, "the hang-up went unnoticed"
         time.sleep(0.05)
     assert r.get(keys.abort_flag(rid)) == "client_disconnect"
+
+
+def raw_exchange(url: str, request: bytes) -> tuple[int, dict[str, Any]]:
+    """Send bytes as they are; the status and the JSON body of the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(request)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), answer[:300]
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "code"),
+    [
+        (b"GET /v1/models?" + b"x" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "uri_too_long"),
+        (
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"y" * 9000 + b"\r\n\r\n",
+            431,
+            "headers_too_large",
+        ),
+        (b"NOT A REQUEST\r\n\r\n", 400, "invalid_request"),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+            + b"".join(b"%x\r\n%s\r\n" % (65536, b"z" * 65536) for _ in range(80))
+            + b"0\r\n\r\n",
+            413,
+            "body_too_large",
+        ),
+    ],
+    ids=["long-url", "large-header", "garbage", "chunked-5mb"],
+)
+def test_gunicorn_refusals_are_openai_errors(
+    gunicorn_url, request_bytes: bytes, status: int, code: str
+) -> None:
+    got, body = raw_exchange(gunicorn_url, request_bytes)
+    assert got == status and body["error"]["code"] == code and body["error"]["message"], body
 
 
 def test_launcher_help_lists_every_setting() -> None:
