@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -18,7 +19,7 @@ from werkzeug.exceptions import UnsupportedMediaType
 from gateway import metrics, openapi
 from gateway.backpressure import check_backpressure
 from gateway.errors import APIError, bad_request, from_validation_error, install_error_handlers
-from gateway.generation import ClientDisconnected, Generation, Prepared, peer_closed
+from gateway.generation import ClientDisconnected, Generation, Limits, Prepared, peer_closed
 from gateway.prepare import check_model, prepare_chat, prepare_completion
 from gateway.responses import ResponseFormat
 from gateway.schemas import (
@@ -33,6 +34,7 @@ from gateway.settings import GatewaySettings
 from gateway.sse import event_stream
 from gateway.token_receiver import GenerationError
 from gateway.tokenization import load_tokenizer
+from gateway.worker_watch import WorkerWatch
 from shared.errors import ErrorCode
 from shared.redis_client import connect
 from shared.registry import WorkerRegistry
@@ -103,6 +105,11 @@ def _check_text(value: Any) -> None:
             raise bad_request("the body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
 
 
+def _bearer_token() -> bytes | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" else None
+
+
 def validate(model: type[B], data: dict[str, Any]) -> B:
     try:
         return model.model_validate(data)
@@ -127,16 +134,28 @@ class Gateway:
         self.tokenizer = load_tokenizer(settings.model, settings.max_model_len)
         self.api_keys = [k.encode() for k in sorted(settings.api_key_set())]
         self.created = int(time.time())
+        self.watch = WorkerWatch(self.registry)
+        self.limits = Limits(
+            timeout_s=settings.request_timeout_s,
+            tick_s=settings.sse_heartbeat_s,
+            request_ttl_s=settings.request_ttl_s,
+            no_worker_grace_s=settings.no_worker_grace_s,
+            redis_outage_grace_s=settings.redis_outage_grace_s,
+        )
 
     def authenticate(self) -> None:
         if not self.api_keys or request.path in PUBLIC_PATHS:
             return
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        given = token.strip().encode()
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in self.api_keys):
+        given = _bearer_token()
+        if given is None or not any(hmac.compare_digest(given, k) for k in self.api_keys):
             raise APIError(
                 ErrorCode.INVALID_API_KEY, "a valid API key is required (Authorization: Bearer <key>)"
             )
+
+    def owner(self) -> str:
+        """Who a request belongs to: a digest of its API key (only that key may resume its stream)."""
+        given = _bearer_token() if self.api_keys else None
+        return hashlib.sha256(given).hexdigest() if given else ""
 
     # -- generation ---------------------------------------------------------------------------------
 
@@ -144,15 +163,15 @@ class Gateway:
         arrived = time.monotonic()
         body = parse_body(CompletionRequest)
         check_model(body.model, self.model_name)
-        return self._generate(prepare_completion(body, self.tokenizer), arrived, chat=False)
+        return self._generate(prepare_completion(body, self.tokenizer), arrived)
 
     def chat_completions(self) -> Response:
         arrived = time.monotonic()
         body = parse_body(ChatCompletionRequest)
         check_model(body.model, self.model_name)
-        return self._generate(prepare_chat(body, self.tokenizer), arrived, chat=True)
+        return self._generate(prepare_chat(body, self.tokenizer), arrived)
 
-    def _generate(self, prepared: Prepared, arrived: float, *, chat: bool) -> Response:
+    def _generate(self, prepared: Prepared, arrived: float) -> Response:
         settings = self.settings
         check_backpressure(self.registry, settings.max_queue_len, settings.heartbeat_ttl_s)
         generation = Generation(
@@ -161,18 +180,17 @@ class Gateway:
             self.tokenizer,
             prepared,
             model_name=self.model_name,
-            request_ttl_s=settings.request_ttl_s,
-            timeout_s=settings.request_timeout_s,
-            tick_s=settings.sse_heartbeat_s,
+            limits=self.limits,
+            watch=self.watch,
             arrived=arrived,
             is_disconnected=peer_closed(request.environ),
         )
         try:
-            generation.submit()
+            generation.submit(self.owner())
         except BaseException:
             generation.close(reason=None)
             raise
-        response_format = ResponseFormat(generation, self.tokenizer, self.model_name, chat=chat)
+        response_format = ResponseFormat(generation, self.tokenizer, self.model_name)
         if prepared.stream:
             response = Response(event_stream(generation, response_format), mimetype="text/event-stream")
             response.headers["Cache-Control"] = "no-cache"

@@ -16,9 +16,10 @@ from gateway import metrics
 from gateway.output import SampleOutput
 from gateway.token_receiver import GenerationError, SampleTokens, TokenReceiver
 from gateway.tokenization import Tokenizer
+from gateway.worker_watch import WorkerWatch
 from shared.errors import ErrorCode
 from shared.keys import REQUESTS_STREAM_MAXLEN, Keys
-from shared.protocol import AbortMessage, GenerateRequest, encode
+from shared.protocol import AbortMessage, GenerateRequest, RequestMeta, encode
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +40,38 @@ class Prepared:
     """A validated, tokenized request and what the gateway itself does with its output."""
 
     request: GenerateRequest
+    chat: bool
     stop: list[str] = field(default_factory=list)
     prompt_text: str = ""
     echo: bool = False
     want_logprobs: bool = False
     stream: bool = False
     include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def meta(self, owner: str) -> RequestMeta:
+        return RequestMeta(
+            request=self.request,
+            chat=self.chat,
+            created=self.created,
+            owner=owner,
+            stop=self.stop,
+            prompt_text=self.prompt_text,
+            echo=self.echo,
+            want_logprobs=self.want_logprobs,
+            include_usage=self.include_usage,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How long a request may take, and how long it waits out a missing worker or Redis."""
+
+    timeout_s: float
+    tick_s: float  # longest wait without news (a stream sends a keep-alive then)
+    request_ttl_s: int
+    no_worker_grace_s: float
+    redis_outage_grace_s: float
 
 
 def peer_closed(environ: dict[str, Any]) -> Callable[[], bool]:
@@ -82,9 +109,8 @@ class Generation:
         prepared: Prepared,
         *,
         model_name: str,
-        request_ttl_s: int,
-        timeout_s: float,
-        tick_s: float,
+        limits: Limits,
+        watch: WorkerWatch | None = None,
         arrived: float | None = None,
         is_disconnected: Callable[[], bool] = lambda: False,
     ) -> None:
@@ -93,10 +119,10 @@ class Generation:
         self._client = client
         self._keys = keys
         self._labels = {"model_name": model_name}
-        self._request_ttl_s = request_ttl_s
-        self._tick_s = tick_s
+        self._limits = limits
+        self._watch = watch
         self._arrived = time.monotonic() if arrived is None else arrived
-        self._deadline = self._arrived + timeout_s
+        self._deadline = self._arrived + limits.timeout_s
         self._is_disconnected = is_disconnected
         n = self.request.sampling.n
         self.samples = [
@@ -111,7 +137,9 @@ class Generation:
         self._last_token_at: list[float | None] = [None] * n
         self._first_token_seen = False
         self.aborted: str | None = None
-        self._receiver = TokenReceiver(client, keys, self.request.request_id, n)
+        self._receiver = TokenReceiver(
+            client, keys, self.request.request_id, n, outage_grace_s=limits.redis_outage_grace_s
+        )
 
     @property
     def request_id(self) -> str:
@@ -129,13 +157,20 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(s.num_tokens for s in self.samples)
 
-    def submit(self) -> None:
-        self._client.xadd(
+    def submit(self, owner: str = "") -> None:
+        """Queue the request, with the record of it a resumed stream reads (one MULTI)."""
+        rid = self.request_id
+        pipe = self._client.pipeline(transaction=True)
+        pipe.set(
+            self._keys.request_meta(rid), encode(self.prepared.meta(owner)), ex=self._limits.request_ttl_s
+        )
+        pipe.xadd(
             self._keys.requests,
             {"data": encode(self.request)},
             maxlen=REQUESTS_STREAM_MAXLEN,
             approximate=True,
         )
+        pipe.execute()
 
     def updates(self) -> Iterator[list[SampleOutput]]:
         """Each batch of samples that changed; an empty list after every tick_s without events.
@@ -153,9 +188,9 @@ class Generation:
                 self.abort("client_disconnect")
                 raise ClientDisconnected(self.request_id)
             try:
-                batch = self._receiver.poll(min(self._tick_s, self._deadline - now))
+                batch = self._receiver.poll(min(self._limits.tick_s, self._deadline - now))
                 if not batch:
-                    batch = self._receiver.recover()
+                    self._check_workers()
             except GenerationError:
                 self.abort("error")
                 raise
@@ -167,6 +202,16 @@ class Generation:
                 self._finished()
             if changed:
                 yield changed
+
+    def _check_workers(self) -> None:
+        """With no live worker for longer than the grace, the request ends as a new one would: no_worker."""
+        if self._watch is None:
+            return
+        grace = self._limits.no_worker_grace_s
+        if self._watch.seconds_without_worker() > grace:
+            raise GenerationError(
+                ErrorCode.NO_WORKER, f"no inference worker has been available for {grace:g} s; retry later"
+            )
 
     def _apply(self, batch: list[SampleTokens]) -> list[SampleOutput]:
         changed: dict[int, SampleOutput] = {}
@@ -205,7 +250,7 @@ class Generation:
         rid = self.request_id
         try:
             pipe = self._client.pipeline(transaction=True)
-            pipe.set(self._keys.abort_flag(rid), reason, ex=self._request_ttl_s)
+            pipe.set(self._keys.abort_flag(rid), reason, ex=self._limits.request_ttl_s)
             pipe.publish(self._keys.aborts, encode(AbortMessage(request_id=rid, reason=reason)))
             pipe.execute()
         except redis.RedisError as e:

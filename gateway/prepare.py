@@ -38,6 +38,7 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepare
     sampling = _sampling(body, body.max_tokens, body.logprobs, len(prompt_ids), tokenizer)
     return Prepared(
         request=_request("cmpl", prompt_ids, sampling, body.priority),
+        chat=False,
         stop=body.stop_strings,
         prompt_text=prompt_text,
         echo=body.echo,
@@ -56,6 +57,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> Prepared:
     sampling = _sampling(body, max_tokens, logprobs, len(prompt_ids), tokenizer)
     return Prepared(
         request=_request("chatcmpl", prompt_ids, sampling, body.priority),
+        chat=True,
         stop=body.stop_strings,
         want_logprobs=body.logprobs,
         stream=body.stream,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 from gateway.generation import Generation
@@ -32,17 +31,17 @@ def usage(generation: Generation) -> Json:
 
 
 class ResponseFormat:
-    """The OpenAI shape of one request's output; `chat` picks chat completions over completions."""
+    """The OpenAI shape of one request's output: chat completions or completions, as it was asked."""
 
-    def __init__(self, generation: Generation, tokenizer: Tokenizer, model: str, *, chat: bool) -> None:
+    def __init__(self, generation: Generation, tokenizer: Tokenizer, model: str) -> None:
         self._generation = generation
         self._tokenizer = tokenizer
-        self._chat = chat
+        self._chat = chat = generation.prepared.chat
         self._include_usage = generation.prepared.include_usage
         self._head = {
             "id": generation.request_id,
             "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
+            "created": generation.prepared.created,
             "model": model,
         }
 

@@ -19,6 +19,12 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = Field(1 << 20, description="largest accepted request body")
     sse_heartbeat_s: float = Field(5.0, description="seconds between SSE keep-alive comments")
     request_timeout_s: float = Field(600.0, description="give up on a request after this long")
+    no_worker_grace_s: float = Field(
+        5.0, description="a request in flight with no live worker for this long ends with 503 no_worker"
+    )
+    redis_outage_grace_s: float = Field(
+        30.0, description="a request in flight fails (queue_unavailable) when Redis stays away this long"
+    )
     max_model_len: int | None = Field(
         None, description="longest prompt + output in tokens (default and cap: the model's context)"
     )

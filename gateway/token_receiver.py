@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 SUBSCRIBE_TIMEOUT_S = 5.0
 MAX_EVENTS_PER_POLL = 256
+RECONNECT_INTERVAL_S = 0.5  # between attempts to subscribe again while Redis is away
 
 
 class GenerationError(CodedError):
@@ -48,14 +49,28 @@ class TokenReceiver:
     Every event names the position of its first token, so per sample the next expected position is
     kept: the part of an event before it is a duplicate (a resumed sample re-sending), and an event
     starting after it means events were missed, whose tokens are read from the sample's record.
+
+    When the connection to Redis drops, it subscribes again (each poll tries once) and reads what it missed
+    from the record; a Redis that stays away past outage_grace_s, or comes back without the request, fails it
+    with queue_unavailable.
     """
 
-    def __init__(self, client: redis.Redis, keys: Keys, request_id: str, num_samples: int) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        request_id: str,
+        num_samples: int,
+        *,
+        outage_grace_s: float = 30.0,
+    ) -> None:
         self._client = client
         self._keys = keys
         self.request_id = request_id
         self.expected = [0] * num_samples
         self.finished: dict[int, str] = {}
+        self._outage_grace_s = outage_grace_s
+        self._lost_at: float | None = None  # when the connection dropped, while it is down
         self._pubsub: Any = client.pubsub()
         try:
             self._subscribe()
@@ -78,7 +93,20 @@ class TokenReceiver:
         return len(self.finished) == len(self.expected)
 
     def poll(self, timeout: float) -> list[SampleTokens]:
-        """What arrives within timeout (all that is waiting, once the first event is in)."""
+        """What arrives within timeout (all that is waiting, once the first event is in); when nothing does,
+        the ends recorded without their events."""
+        if self._lost_at is not None:
+            return self._reconnect(timeout)
+        try:
+            out = self._receive(timeout)
+            return out or self.recover()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            logger.warning("request %s: lost Redis (%s); subscribing again", self.request_id, e)
+            self._lost_at = time.monotonic()
+            self.close()
+            return []
+
+    def _receive(self, timeout: float) -> list[SampleTokens]:
         out: list[SampleTokens] = []
         wait = max(timeout, 0.0)
         for _ in range(MAX_EVENTS_PER_POLL):
@@ -92,6 +120,37 @@ class TokenReceiver:
             if event is not None:
                 out.extend(self.accept(event))
         return out
+
+    def _reconnect(self, timeout: float) -> list[SampleTokens]:
+        """Subscribe again and catch up from the record; raises once the outage outlasts its grace."""
+        assert self._lost_at is not None
+        try:
+            self._pubsub = self._client.pubsub()
+            self._subscribe()
+            known = self._client.exists(self._keys.request_meta(self.request_id))
+        except redis.RedisError:
+            self.close()
+            down = time.monotonic() - self._lost_at
+            if down > self._outage_grace_s:
+                raise GenerationError(
+                    ErrorCode.QUEUE_UNAVAILABLE, f"Redis has been unreachable for {down:.0f} s"
+                ) from None
+            time.sleep(max(0.0, min(timeout, RECONNECT_INTERVAL_S)))
+            return []
+        if not known:
+            raise GenerationError(
+                ErrorCode.QUEUE_UNAVAILABLE,
+                "Redis came back without this request (it lost its data); send it again",
+            )
+        logger.info(
+            "request %s: Redis is back after %.1f s", self.request_id, time.monotonic() - self._lost_at
+        )
+        self._lost_at = None
+        out = []
+        for index, expected in enumerate(self.expected):
+            if index not in self.finished and (missed := self._record(index, expected, -1)):
+                out.append(self._deliver(index, missed, [None] * len(missed), None))
+        return out + self.recover()
 
     def recover(self) -> list[SampleTokens]:
         """Samples whose end was recorded but whose last events never came (their worker died after

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -14,8 +15,10 @@ import redis
 
 from gpu_worker.assignments import engine_requests, read_assignment, salvage_request
 from gpu_worker.engine import LLMEngine
+from gpu_worker.outbox import Outbox
 from gpu_worker.sequence import Sequence
 from gpu_worker.settings import WorkerSettings, engine_config
+from shared.backoff import Backoff
 from shared.errors import CodedError, ErrorCode
 from shared.keys import WORKER_GROUP
 from shared.protocol import (
@@ -75,14 +78,29 @@ class WorkerService:
         self.stopping = False
         self.step_started: float | None = None  # monotonic start of the step in progress
         self._keep_alive_stop = threading.Event()
+        self._stopped = threading.Event()  # set by SIGTERM/SIGINT: cuts a backoff wait short
         self.aborts = self.redis.pubsub(ignore_subscribe_messages=True)
+        self.outbox = Outbox()
+        self.registered = False
+        self._backoff = Backoff()
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
     def register(self) -> None:
+        """Join (or rejoin, after Redis was away): inbox group, abort channel, heartbeat.
+
+        An inbox that is gone while requests run here means the scheduler declared this worker dead and
+        re-queued them, or Redis came back empty: either way they are no longer this worker's to finish.
+        """
+        if self.active and not self.redis.exists(self.keys.inbox(self.worker_id)):
+            self._drop_all("its inbox is gone (declared dead, or Redis lost its data)")
         self._create_group()
+        self.aborts.close()
+        self.aborts = self.redis.pubsub(ignore_subscribe_messages=True)
         self.aborts.subscribe(self.keys.aborts)
+        self._apply_abort_flags()  # aborts published while Redis was away were missed
         self.heartbeat()
+        self.registered = True
         logger.info("worker %s ready: %d KV blocks", self.worker_id, self.engine.allocator.num_blocks)
 
     def _create_group(self) -> None:
@@ -110,26 +128,48 @@ class WorkerService:
                 logger.debug("keep-alive failed: %s", e)
 
     def run(self) -> None:
-        """Serve until SIGTERM/SIGINT; then drop the heartbeat so the scheduler re-queues our requests."""
+        """Serve until SIGTERM/SIGINT; then drop the heartbeat so the scheduler re-queues our requests.
+
+        Redis going away never ends the process: the loop waits (with backoff) and registers again.
+        """
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        self.register()
         keeper = threading.Thread(target=self.keep_alive, name="keep-alive", daemon=True)
         keeper.start()
         try:
             while not self.stopping:
-                self.run_once()
+                try:
+                    if not self.registered:
+                        self.register()
+                    self.run_once()
+                    self._backoff.reset()
+                except redis.RedisError as e:
+                    self._wait_for_redis(e)
         finally:
             self._keep_alive_stop.set()
             keeper.join()
-            self.redis.delete(self.keys.worker(self.worker_id))
+            with contextlib.suppress(redis.RedisError):
+                self.redis.delete(self.keys.worker(self.worker_id))
             self.aborts.close()
+
+    def _wait_for_redis(self, error: redis.RedisError) -> None:
+        if self._backoff.failures == 0:
+            logger.warning(
+                "Redis unavailable (%s); holding %d unsent writes, reconnecting", error, len(self.outbox)
+            )
+        self.registered = False
+        self._stopped.wait(self._backoff.next_delay())
 
     def _stop(self, signum: int, frame: Any) -> None:
         self.stopping = True
+        self._stopped.set()
 
     def run_once(self) -> None:
-        """Take new work and aborts, run one engine step, publish its tokens; heartbeat when due."""
+        """Take new work and aborts, run one engine step, publish its tokens; heartbeat when due.
+
+        What an earlier iteration could not send goes first: the engine steps only once it has.
+        """
+        self.outbox.flush(self.redis)
         busy = self.engine.has_unfinished_requests()
         taken = self._read_inbox(block_ms=None if busy else IDLE_BLOCK_MS)
         self._apply_aborts()
@@ -149,6 +189,7 @@ class WorkerService:
                 self._publish(seqs)
             finally:
                 self.step_started = None
+        self.outbox.flush(self.redis)
         if taken or time.monotonic() - self.last_heartbeat >= self.settings.heartbeat_interval_s:
             self.heartbeat()
 
@@ -173,7 +214,7 @@ class WorkerService:
         ]
         if not entries:
             return 0
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.outbox
         assignments: dict[str, Assignment] = {}
         for entry_id, data in entries:
             try:
@@ -194,8 +235,8 @@ class WorkerService:
         entry_ids = [entry_id for entry_id, _ in entries]
         pipe.xack(inbox, WORKER_GROUP, *entry_ids)
         pipe.xdel(inbox, *entry_ids)
-        pipe.execute()
         self.inbox_last_id = entries[-1][0]
+        self.outbox.flush(self.redis)
         return len(entries)
 
     def _refuse_unreadable(self, entry_id: str, data: str | None, error: CodedError, pipe: Any) -> None:
@@ -208,18 +249,18 @@ class WorkerService:
 
     def _rejoin(self) -> None:
         """The scheduler took this worker for dead and re-queued its requests: drop them, register again."""
-        logger.warning(
-            "worker %s was declared dead (its heartbeat lapsed); dropping %d re-queued requests, rejoining",
-            self.worker_id,
-            len(self.active),
-        )
+        self._drop_all("it was declared dead (its heartbeat lapsed)")
+        self._create_group()
+        self.heartbeat()
+
+    def _drop_all(self, why: str) -> None:
+        logger.warning("worker %s: %s; dropping %d requests", self.worker_id, why, len(self.active))
         for active in self.active.values():
             for engine_id in active.engine_ids:
                 self.engine.abort_request(engine_id)
                 self.engine_ids.pop(engine_id, None)
         self.active.clear()
-        self._create_group()
-        self.heartbeat()
+        self.outbox.clear()
 
     def _start(self, request: GenerateRequest, pipe: Any) -> None:
         """Add the request to the engine; any failure answers it with an error and leaves nothing behind."""
@@ -264,22 +305,29 @@ class WorkerService:
             except pydantic.ValidationError as e:
                 logger.error("dropped an unreadable abort message: %s", e)
                 continue
-            active = self.active.get(abort.request_id)
-            if active is None:
-                continue
-            pipe = self.redis.pipeline(transaction=False)
-            for index in sorted(active.pending):
-                self._push_event(pipe, active, index, [], [], "abort")
-            active.pending.clear()
-            self._retire(abort.request_id, pipe)
-            pipe.execute()
+            self._abort(abort.request_id)
+
+    def _apply_abort_flags(self) -> None:
+        flags = NamedPipeline(self.redis)
+        for rid in self.active:
+            flags.named(rid).exists(self.keys.abort_flag(rid))
+        for name, flagged in flags.execute().items():
+            if flagged:
+                self._abort(str(name))
+
+    def _abort(self, rid: str) -> None:
+        active = self.active.get(rid)
+        if active is None:
+            return
+        for index in sorted(active.pending):
+            self._push_event(self.outbox, active, index, [], [], "abort")
+        active.pending.clear()
+        self._retire(rid, self.outbox)
 
     # -- publishing -----------------------------------------------------------------------------------
 
     def _publish(self, seqs: list[Sequence]) -> None:
-        if not seqs:
-            return
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.outbox
         done: list[str] = []
         for seq in seqs:
             rid, fixed_index = self.engine_ids[seq.request_id]
@@ -297,7 +345,6 @@ class WorkerService:
                     done.append(rid)
         for rid in done:
             self._retire(rid, pipe)
-        pipe.execute()
 
     def _push_event(
         self,
@@ -339,14 +386,13 @@ class WorkerService:
         pipe.hdel(self.keys.assigned(self.worker_id), request.request_id)
 
     def _fail_all(self, error: WireError) -> None:
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.outbox
         for rid in list(self.active):
             active = self.active[rid]
             for index in sorted(active.pending):
                 self._push_event(pipe, active, index, [], [], "error", error)
             active.pending.clear()
             self._retire(rid, pipe)
-        pipe.execute()
 
     # -- heartbeat ------------------------------------------------------------------------------------
 

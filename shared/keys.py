@@ -12,6 +12,7 @@ test runs can share one Redis. `rid` is a request id, `wid` a worker id, `i` a s
 | {p}:worker:{wid}:assigned    | hash rid→json    | scheduler; worker del | scheduler (failover) | gone if dead  |
 | {p}:aborts                   | pub/sub          | gateway               | workers              | -             |
 | {p}:request:{rid}:abort      | string           | gateway               | scheduler, worker    | REQUEST_TTL   |
+| {p}:request:{rid}:meta       | string (json)    | gateway               | gateway              | REQUEST_TTL   |
 | {p}:request:{rid}:events     | pub/sub          | worker, scheduler     | gateway              | -             |
 | {p}:request:{rid}:tokens:{i} | list of ints     | worker                | scheduler, gateway   | REQUEST_TTL   |
 | {p}:request:{rid}:finished   | hash i→SampleEnd | worker, scheduler     | scheduler, gateway   | REQUEST_TTL   |
@@ -61,6 +62,9 @@ class Keys:
 
     def abort_flag(self, rid: str) -> str:
         return f"{self.prefix}:request:{rid}:abort"
+
+    def request_meta(self, rid: str) -> str:
+        return f"{self.prefix}:request:{rid}:meta"
 
     def events(self, rid: str) -> str:
         return f"{self.prefix}:request:{rid}:events"

@@ -78,6 +78,21 @@ class GenerateRequest(WireModel):
         return -(-(len(self.prompt_token_ids) + longest) // block_size)
 
 
+class RequestMeta(WireModel):
+    """What the gateway keeps of a request while its record lives (`{p}:request:{rid}:meta`): that it exists
+    (a Redis that came back empty has lost it), and what a resumed stream needs to continue its output."""
+
+    request: GenerateRequest
+    chat: bool
+    created: int  # the response's `created`, in seconds
+    owner: str = ""  # a digest of the API key that created it ("" when the gateway checks no keys)
+    stop: list[str] = Field(default_factory=list)
+    prompt_text: str = ""
+    echo: bool = False
+    want_logprobs: bool = False
+    include_usage: bool = False
+
+
 class Assignment(WireModel):
     """The scheduler hands one request to one worker (on that worker's inbox stream)."""
 

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import redis
+from cluster import free_port, start_redis_server
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from gpu_worker.model_loader import resolve_model_path
@@ -67,12 +64,6 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str)
     return str(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis: REDIS_URL (default 127.0.0.1:6379) when it answers, else a redis-server started here."""
@@ -83,40 +74,10 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         return
     except redis.RedisError:
         pass
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail(
-            "no Redis answers at REDIS_URL and redis-server is not installed (apt-get install redis-server)"
-        )
-    port = _free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
+    port = free_port()
+    proc = start_redis_server(port, tmp_path_factory.mktemp("redis"))
     try:
-        yield url
+        yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()
         proc.wait(timeout=10)

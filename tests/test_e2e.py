@@ -4,92 +4,26 @@ driven with the official openai client and raw HTTP. Greedy output must equal th
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
-import redis
 import requests
 import torch
+from cluster import MODEL_NAME, Cluster, free_port, running_cluster, service_env
 
 from gpu_worker import LLM, LLMEngine, SamplingParams
 from gpu_worker.settings import WorkerSettings, engine_config
-from shared.keys import Keys
-from shared.protocol import Heartbeat, SampleEnd, decode
-from shared.redis_client import connect
-from shared.registry import WorkerRegistry
+from shared.protocol import SampleEnd, decode
 
-MODEL_NAME = "tiny-llama"
 NUM_KV_BLOCKS = 128
 WORKERS = ("w1", "w2")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Cluster:
-    """The running services and how to reach them."""
-
-    base_url: str
-    redis: redis.Redis
-    keys: Keys
-    env: dict[str, str]
-    logs: Path
-    processes: dict[str, subprocess.Popen[bytes]]
-
-    def start(self, name: str, *args: str, **extra_env: str) -> None:
-        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - the process owns it
-        self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", *args], env={**self.env, **extra_env}, stdout=log, stderr=subprocess.STDOUT
-        )
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def worker_ids(self) -> list[str]:
-        """The workers started (and not killed) so far."""
-        return [name for name, proc in self.processes.items() if name.startswith("w") and proc.poll() is None]
-
-    def heartbeats(self) -> dict[str, Heartbeat]:
-        return WorkerRegistry(self.redis, self.keys).read().live
-
-    def wait_for_workers(self, count: int, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.heartbeats()) < count:
-            assert time.monotonic() < deadline, f"fewer than {count} workers are live\n{self.logs_tail()}"
-            time.sleep(0.2)
-
-    def wait_idle(self, timeout: float = 60) -> dict[str, Heartbeat]:
-        """Until every live worker reports nothing running and every block free."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            beats = self.heartbeats()
-            if beats and all(
-                b.num_running == b.num_waiting == 0 and b.free_blocks == b.total_blocks
-                for b in beats.values()
-            ):
-                return beats
-            time.sleep(0.2)
-        raise AssertionError(f"workers did not drain: {self.heartbeats()}")
-
-    def logs_tail(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.logs.glob("*.log")))
 
 
 @pytest.fixture(scope="module")
@@ -100,56 +34,9 @@ def cluster(
     without_engine: dict[str, str],
 ) -> Iterator[Cluster]:
     prefix = f"pagedserve-e2e-{uuid.uuid4().hex[:10]}"
-    port = _free_port()
-    env = {
-        **os.environ,
-        "REDIS_URL": redis_url,
-        "REDIS_PREFIX": prefix,
-        "MODEL": tiny_model_path,
-        "SERVED_MODEL_NAME": MODEL_NAME,
-        "PORT": str(port),
-        "GATEWAY_WORKERS": "2",
-        "HEARTBEAT_TTL_S": "3",
-        "HEARTBEAT_INTERVAL_S": "0.5",
-        "NUM_KV_BLOCKS": str(NUM_KV_BLOCKS),
-        "SSE_HEARTBEAT_S": "0.5",
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-    }
-    client = connect(redis_url)
-    c = Cluster(f"http://127.0.0.1:{port}", client, Keys(prefix), env, tmp_path_factory.mktemp("logs"), {})
-    # The gateway and the scheduler run as their images do: without torch and the engine's packages.
-    c.start("scheduler", "scheduler_svc", **without_engine)
-    for wid in WORKERS:
-        c.start(wid, "gpu_worker", WORKER_ID=wid)
-    c.start("gateway", "gateway", **without_engine)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if (
-                    requests.get(f"{c.base_url}/ready", timeout=2).status_code == 200
-                    and len(c.heartbeats()) == 2
-                ):
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        else:
-            raise AssertionError(f"the services did not become ready\n{c.logs_tail()}")
+    env = service_env(redis_url, prefix, tiny_model_path, free_port(), NUM_KV_BLOCKS=str(NUM_KV_BLOCKS))
+    with running_cluster(env, tmp_path_factory.mktemp("logs"), WORKERS, without_engine) as c:
         yield c
-    finally:
-        for proc in c.processes.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in c.processes.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            client.delete(*keys)
 
 
 @pytest.fixture(autouse=True)

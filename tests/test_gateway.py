@@ -26,7 +26,7 @@ from flask.testing import FlaskClient
 
 from gateway.app import create_app
 from gateway.errors import HTTP_ERRORS, APIError
-from gateway.generation import Generation, GenerationTimeout, Prepared
+from gateway.generation import Generation, GenerationTimeout, Limits, Prepared
 from gateway.output import SampleOutput
 from gateway.settings import GatewaySettings
 from gateway.token_receiver import GenerationError
@@ -231,10 +231,11 @@ def make_generation(
         sampling=SamplingSpec(n=n, logprobs=0 if logprobs else None),
         arrival_time=time.time(),
     )
-    prepared = Prepared(request=request, stop=stop or [], want_logprobs=logprobs)
-    return Generation(
-        r, keys, tok, prepared, model_name="tiny", request_ttl_s=60, timeout_s=timeout_s, tick_s=TICK_S
+    prepared = Prepared(request=request, chat=False, stop=stop or [], want_logprobs=logprobs)
+    limits = Limits(
+        timeout_s=timeout_s, tick_s=TICK_S, request_ttl_s=60, no_worker_grace_s=60, redis_outage_grace_s=60
     )
+    return Generation(r, keys, tok, prepared, model_name="tiny", limits=limits)
 
 
 def next_change(updates: Iterator[list[SampleOutput]]) -> list[SampleOutput]:

@@ -1,0 +1,29 @@
+"""Waiting between attempts to reach Redis again: exponential, capped, with jitter."""
+
+from __future__ import annotations
+
+import random
+
+FIRST_DELAY_S = 0.1
+MAX_DELAY_S = 5.0
+
+
+class Backoff:
+    """Delays that double from first_s up to max_s; each is drawn from its upper half, so that processes
+    that lost Redis together do not all come back at the same instant."""
+
+    def __init__(self, first_s: float = FIRST_DELAY_S, max_s: float = MAX_DELAY_S) -> None:
+        self._first_s = first_s
+        self._max_s = max_s
+        self._next_s = first_s
+        self.failures = 0  # since the last success
+
+    def next_delay(self) -> float:
+        delay = self._next_s * random.uniform(0.5, 1.0)
+        self._next_s = min(2 * self._next_s, self._max_s)
+        self.failures += 1
+        return delay
+
+    def reset(self) -> None:
+        self._next_s = self._first_s
+        self.failures = 0
