@@ -17,6 +17,7 @@ from scheduler_svc.failover import Failover
 from scheduler_svc.queue import QueuedRequest, WaitingQueue
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.workers import WorkerView
+from shared.backoff import Backoff
 from shared.keys import SCHEDULER_GROUP
 from shared.protocol import Assignment, GenerateRequest, SchedulerStats, WireError, decode, encode
 from shared.records import error_events, push_event
@@ -26,7 +27,6 @@ log = logging.getLogger(__name__)
 
 READ_COUNT = 512  # entries per read of the requests stream
 STATS_INTERVAL_S = 0.5  # unchanged stats are rewritten this often, well inside their TTL
-RETRY_S = 0.5  # pause after a Redis error before resynchronizing
 
 
 def default_consumer_name() -> str:
@@ -61,16 +61,20 @@ class SchedulerService:
         self._stopping = True
 
     def run(self) -> None:
-        """Step until stopped; a Redis error costs a pause and a resynchronization, never the process."""
+        """Step until stopped; a Redis error costs a pause (with backoff) and a resynchronization, never the
+        process."""
         block_ms = max(1, round(self.settings.poll_interval_s * 1000))
         log.info("scheduler %s reading %s", self.consumer, self.keys.requests)
+        backoff = Backoff()
         while not self._stopping:
             try:
                 self.step(block_ms)
+                backoff.reset()
             except redis.RedisError as exc:
-                log.warning("redis error, resynchronizing: %s", exc)
+                if backoff.failures == 0:
+                    log.warning("Redis unavailable (%s); resynchronizing once it is back", exc)
                 self._needs_resync = True
-                time.sleep(RETRY_S)
+                time.sleep(backoff.next_delay())
         log.info("scheduler %s stopped", self.consumer)
 
     def step(self, block_ms: int | None = None) -> None:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # `make run`: the whole suite on this machine - a Redis (when none answers at REDIS_URL), the scheduler,
 # WORKERS workers (default 1; on the CPU when there is no GPU) and the gateway on http://HOST:PORT.
+# A service that exits on its own is started again after RESTART_DELAY_S (as compose's restart policy does).
 # Ctrl-C stops everything this script started. Settings: the environment, as listed by each service's --help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 WORKERS=${WORKERS:-1}
+RESTART_DELAY_S=${RESTART_DELAY_S:-1}
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 export HOST=${HOST:-127.0.0.1}
 export PORT=${PORT:-8000}
@@ -22,6 +24,20 @@ stop_all() {
   exit "$status"  # also out of the wait for /ready, should the signal come during start-up
 }
 trap stop_all INT TERM EXIT
+
+# Runs a service and starts it again whenever it exits, until this script stops it (TERM: stop the service).
+supervise() {
+  local name=$1 child
+  shift
+  trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 0' TERM INT
+  while true; do
+    "$@" &
+    child=$!
+    wait "$child" && status=0 || status=$?
+    echo "$name exited with status $status; starting it again in ${RESTART_DELAY_S}s" >&2
+    sleep "$RESTART_DELAY_S"
+  done
+}
 
 redis_answers() {
   "$PY" -c "import os, redis; redis.Redis.from_url(os.environ['REDIS_URL'], socket_connect_timeout=1).ping()" \
@@ -39,7 +55,8 @@ if ! redis_answers; then
   fi
   redis_port=$("$PY" -c "import os, urllib.parse; print(urllib.parse.urlparse(os.environ['REDIS_URL']).port or 6379)")
   echo "starting redis-server on port $redis_port"
-  redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no --loglevel warning &
+  supervise redis-server redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
+    --loglevel warning &
   pids+=($!)
   for _ in $(seq 50); do redis_answers && break; sleep 0.1; done
 fi
@@ -47,9 +64,9 @@ fi
 # De-quantize the model once, before several processes would each start doing it.
 "$PY" -c "import os; from gpu_worker.model_loader import resolve_model_path; resolve_model_path(os.environ.get('MODEL'))"
 
-"$PY" -m scheduler_svc & pids+=($!)
-for _ in $(seq "$WORKERS"); do "$PY" -m gpu_worker & pids+=($!); done
-"$PY" -m gateway & pids+=($!)
+supervise scheduler "$PY" -m scheduler_svc & pids+=($!)
+for i in $(seq "$WORKERS"); do supervise "worker $i" "$PY" -m gpu_worker & pids+=($!); done
+supervise gateway "$PY" -m gateway & pids+=($!)
 
 url="http://$HOST:$PORT"
 for _ in $(seq 600); do

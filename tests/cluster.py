@@ -55,6 +55,31 @@ def start_redis_server(port: int, workdir: Path) -> subprocess.Popen[bytes]:
     raise RuntimeError(f"redis-server did not start on port {port}")
 
 
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (gunicorn's workers under the gateway's master)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree
+
+
+def command_lines(pids: list[int]) -> dict[int, str]:
+    """Each live pid's command line, its arguments joined by spaces."""
+    lines = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            lines[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    return lines
+
+
 @dataclass
 class Cluster:
     """The running services and how to reach them."""

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import requests
 import torch
-from cluster import MODEL_NAME, Cluster, free_port, running_cluster, service_env
+from cluster import MODEL_NAME, Cluster, free_port, process_tree, running_cluster, service_env
 
 from gpu_worker import LLM, LLMEngine, SamplingParams
 from gpu_worker.settings import WorkerSettings, engine_config
@@ -63,22 +63,6 @@ PROMPTS = [
 def offline_text(offline: LLM, prompts: list[str], max_tokens: int) -> list[str]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     return [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants (gunicorn's workers under the gateway's master)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo.extend(children.get(tree[-1], []))
-    return tree
 
 
 def mapped_files(pid: int) -> set[str]:

@@ -3,9 +3,12 @@ empty; workers that die. No service exits, and no request hangs: each finishes, 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -14,11 +17,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import requests
-from cluster import MODEL_NAME, Cluster, free_port, running_cluster, service_env, start_redis_server
+from cluster import (
+    MODEL_NAME,
+    Cluster,
+    command_lines,
+    free_port,
+    process_tree,
+    running_cluster,
+    service_env,
+    start_redis_server,
+)
 
 from gpu_worker import LLM, SamplingParams
+from gpu_worker.settings import WorkerSettings
 
 PROMPT = "Paged attention stores the KV cache in blocks"
 MAX_TOKENS = 200
@@ -183,3 +197,41 @@ def test_with_no_worker_left_a_stream_ends_with_no_worker(faults: FaultCluster) 
     assert response.headers["Retry-After"]
     cluster.processes.pop("w1")
     faults.assert_all_alive()
+
+
+def test_make_run_starts_a_crashed_service_again(tiny_model_path: str, tmp_path: Path) -> None:
+    """scripts/run.sh (`make run`) supervises what it starts: a service killed with -9 (and its own Redis) is
+    started again, and the whole set still serves."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from services import Services
+
+    settings = WorkerSettings(model=tiny_model_path, redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    with Services(settings, tmp_path / "run.log") as services:
+
+        def find(needle: str) -> list[int]:
+            return [
+                pid for pid, line in command_lines(process_tree(services.proc.pid)).items() if needle in line
+            ]
+
+        for needle in ("-m scheduler_svc", "redis-server"):
+            (old,) = find(needle)
+            os.kill(old, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while not [pid for pid in find(needle) if pid != old]:
+                assert time.monotonic() < deadline, f"{needle} was not started again"
+                time.sleep(0.2)
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(openai.APIError):
+                out = openai.OpenAI(
+                    base_url=f"{services.url}/v1", api_key="x", max_retries=0
+                ).completions.create(
+                    model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4, temperature=0
+                )
+                break
+            assert time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert out.usage is not None and out.usage.completion_tokens == 4
+    log = (tmp_path / "run.log").read_text()
+    assert "scheduler exited with status 137; starting it again" in log
+    assert "redis-server exited with status 137; starting it again" in log

@@ -45,6 +45,13 @@ def test_readme_table_states_every_setting_as_the_code_does() -> None:
         assert readme_row(name) in rows, readme_row(name)
 
 
+def test_compose_restarts_every_service() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert {name: s.get("restart") for name, s in compose["services"].items()} == dict.fromkeys(
+        ["redis", *COMPOSE_SERVICES], "unless-stopped"
+    )
+
+
 def test_compose_uses_only_known_settings() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     for service, cls in COMPOSE_SERVICES.items():
