@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
-import re
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import pydantic
 import redis
-from flask import Flask, Response, current_app, jsonify, request
-from werkzeug.exceptions import UnsupportedMediaType
+from flask import Flask, Response, jsonify, request
 
 from gateway import metrics, openapi
+from gateway.attachments import Attachments
 from gateway.backpressure import check_backpressure
-from gateway.errors import APIError, bad_request, from_validation_error, install_error_handlers
-from gateway.generation import ClientDisconnected, Generation, Limits, Prepared, peer_closed
-from gateway.prepare import check_model, prepare_chat, prepare_completion
+from gateway.errors import APIError, bad_request, install_error_handlers
+from gateway.generation import ClientDisconnected, Generation, Limits, peer_closed
+from gateway.prepare import Prepared, check_model, prepare_chat, prepare_completion
+from gateway.request_body import bearer_token, json_body, parse_body, validate
 from gateway.responses import ResponseFormat
+from gateway.resume import check_cursor, load_request, parse_event_id
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,81 +43,8 @@ logger = logging.getLogger(__name__)
 # Probes and scrapers carry no API key.
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
-
-B = TypeVar("B", bound=pydantic.BaseModel)
-_SURROGATE = re.compile("[\ud800-\udfff]")
-# Past this much of a refused body, the connection is closed instead.
-DISCARD_LIMIT_BYTES = 64 << 20
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def json_body() -> dict[str, Any]:
-    """The request's JSON object: 415 when it is not JSON, 413 when too large, 400 when malformed."""
-    if not request.is_json:
-        raise UnsupportedMediaType()
-    data = _parse_json(_read_body(current_app.config["MAX_BODY_BYTES"]))
-    if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object", code=ErrorCode.INVALID_JSON)
-    _check_text(data)
-    return data
-
-
-def _read_body(limit: int) -> bytes:
-    """At most limit bytes of body, whether its length is declared or it comes in chunks."""
-    declared = request.content_length
-    raw = b"" if declared is not None and declared > limit else request.stream.read(limit + 1)
-    if len(raw) > limit or (declared is not None and declared > limit):
-        _discard(request.stream)
-        raise APIError(ErrorCode.BODY_TOO_LARGE, f"the request body is larger than {limit} bytes")
-    return raw
-
-
-def _discard(stream: Any) -> None:
-    """Read what is left of a refused body (up to a bound), so that a client still sending it gets the 413
-    rather than a reset connection."""
-    left = DISCARD_LIMIT_BYTES
-    while left > 0 and (chunk := stream.read(min(left, 1 << 16))):
-        left -= len(chunk)
-
-
-def _parse_json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw, parse_constant=_no_constants)
-    except (ValueError, RecursionError) as e:
-        raise bad_request(f"the body is not valid JSON: {e}", code=ErrorCode.INVALID_JSON) from e
-
-
-def _check_text(value: Any) -> None:
-    """JSON may escape half of a UTF-16 surrogate pair (`"\\ud800"`): such a string is no text to tokenize."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, str) and _SURROGATE.search(item):
-            raise bad_request("the body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
-
-
-def _bearer_token() -> bytes | None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token.strip().encode() if scheme.lower() == "bearer" else None
-
-
-def validate(model: type[B], data: dict[str, Any]) -> B:
-    try:
-        return model.model_validate(data)
-    except pydantic.ValidationError as e:
-        raise from_validation_error(e) from e
-
-
-def parse_body(model: type[B]) -> B:
-    return validate(model, json_body())
+# What an SSE client sends back on reconnecting: the id of the last event it received.
+RESUME_HEADER = "Last-Event-ID"
 
 
 class Gateway:
@@ -135,6 +61,14 @@ class Gateway:
         self.api_keys = [k.encode() for k in sorted(settings.api_key_set())]
         self.created = int(time.time())
         self.watch = WorkerWatch(self.registry)
+        # A reader renews its lease a few times per keep-alive tick, so a live stream never looks dropped.
+        self.attachments = Attachments(
+            self.redis,
+            self.keys,
+            lease_s=3 * settings.sse_heartbeat_s,
+            grace_s=settings.resume_grace_s,
+            ttl_s=settings.request_ttl_s,
+        )
         self.limits = Limits(
             timeout_s=settings.request_timeout_s,
             tick_s=settings.sse_heartbeat_s,
@@ -146,7 +80,7 @@ class Gateway:
     def authenticate(self) -> None:
         if not self.api_keys or request.path in PUBLIC_PATHS:
             return
-        given = _bearer_token()
+        given = bearer_token()
         if given is None or not any(hmac.compare_digest(given, k) for k in self.api_keys):
             raise APIError(
                 ErrorCode.INVALID_API_KEY, "a valid API key is required (Authorization: Bearer <key>)"
@@ -154,27 +88,79 @@ class Gateway:
 
     def owner(self) -> str:
         """Who a request belongs to: a digest of its API key (only that key may resume its stream)."""
-        given = _bearer_token() if self.api_keys else None
+        given = bearer_token() if self.api_keys else None
         return hashlib.sha256(given).hexdigest() if given else ""
 
     # -- generation ---------------------------------------------------------------------------------
 
     def completions(self) -> Response:
         arrived = time.monotonic()
+        if RESUME_HEADER in request.headers:
+            return self._resume(chat=False, event=request.headers[RESUME_HEADER], stream=True)
         body = parse_body(CompletionRequest)
         check_model(body.model, self.model_name)
         return self._generate(prepare_completion(body, self.tokenizer), arrived)
 
     def chat_completions(self) -> Response:
         arrived = time.monotonic()
+        if RESUME_HEADER in request.headers:
+            return self._resume(chat=True, event=request.headers[RESUME_HEADER], stream=True)
         body = parse_body(ChatCompletionRequest)
         check_model(body.model, self.model_name)
         return self._generate(prepare_chat(body, self.tokenizer), arrived)
 
+    def completion(self, request_id: str) -> Response:
+        return self._retrieve(request_id, chat=False)
+
+    def chat_completion(self, request_id: str) -> Response:
+        return self._retrieve(request_id, chat=True)
+
+    def _retrieve(self, request_id: str, *, chat: bool) -> Response:
+        """GET a request's output: with stream=true its stream from `starting_after` (a cursor or an event id)
+        on; else the whole response, once it has finished."""
+        stream = request.args.get("stream", "false").lower() == "true"
+        after = request.args.get("starting_after")
+        if after is None:
+            return self._resume(chat=chat, event=None, stream=stream, request_id=request_id)
+        event = after if ":" in after else f"{request_id}:{after}"
+        return self._resume(chat=chat, event=event, stream=stream, request_id=request_id)
+
+    def _resume(
+        self, *, chat: bool, event: str | None, stream: bool, request_id: str | None = None
+    ) -> Response:
+        """Attach to a request already running (or finished, while its record lives)."""
+        cursor = None
+        if event is not None:
+            param = RESUME_HEADER if request_id is None else "starting_after"
+            named_id, cursor = parse_event_id(event, param)
+            if request_id is not None and named_id != request_id:
+                raise bad_request(f"starting_after names request '{named_id}', not '{request_id}'", param)
+            request_id = named_id
+        assert request_id is not None
+        meta = load_request(self.redis, self.keys, request_id, self.owner(), chat=chat)
+        if cursor is not None:
+            check_cursor(meta, cursor)
+        generation = self._generation(Prepared.from_meta(meta, stream=stream), time.monotonic())
+        try:
+            generation.replay(cursor)
+        except BaseException:
+            generation.close(reason=None)
+            raise
+        return self._respond(generation)
+
     def _generate(self, prepared: Prepared, arrived: float) -> Response:
         settings = self.settings
         check_backpressure(self.registry, settings.max_queue_len, settings.heartbeat_ttl_s)
-        generation = Generation(
+        generation = self._generation(prepared, arrived)
+        try:
+            generation.submit(self.owner())
+        except BaseException:
+            generation.close(reason=None)
+            raise
+        return self._respond(generation)
+
+    def _generation(self, prepared: Prepared, arrived: float) -> Generation:
+        return Generation(
             self.redis,
             self.keys,
             self.tokenizer,
@@ -182,16 +168,14 @@ class Gateway:
             model_name=self.model_name,
             limits=self.limits,
             watch=self.watch,
+            attachments=self.attachments,
             arrived=arrived,
             is_disconnected=peer_closed(request.environ),
         )
-        try:
-            generation.submit(self.owner())
-        except BaseException:
-            generation.close(reason=None)
-            raise
+
+    def _respond(self, generation: Generation) -> Response:
         response_format = ResponseFormat(generation, self.tokenizer, self.model_name)
-        if prepared.stream:
+        if generation.prepared.stream:
             response = Response(event_stream(generation, response_format), mimetype="text/event-stream")
             response.headers["Cache-Control"] = "no-cache"
             response.headers["X-Accel-Buffering"] = "no"  # a proxy in front must not buffer the stream
@@ -203,7 +187,7 @@ class Gateway:
         except GenerationError as e:
             raise APIError.of(e) from e
         except ClientDisconnected:
-            return Response(status=499)  # nobody reads it; the request is aborted
+            return Response(status=499)  # nobody reads it; the request goes unless resumed
         finally:
             generation.close()
         return jsonify(response_format.response())
@@ -285,6 +269,8 @@ def create_app(settings: GatewaySettings | None = None) -> Flask:
     routes: list[tuple[str, Callable[..., Any], list[str]]] = [
         ("/v1/completions", gateway.completions, ["POST"]),
         ("/v1/chat/completions", gateway.chat_completions, ["POST"]),
+        ("/v1/completions/<request_id>", gateway.completion, ["GET"]),
+        ("/v1/chat/completions/<request_id>", gateway.chat_completion, ["GET"]),
         ("/v1/models", gateway.models, ["GET"]),
         ("/v1/models/<path:model_id>", gateway.model, ["GET"]),
         ("/tokenize", gateway.tokenize, ["POST"]),

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from gateway import metrics
+from gateway.attachments import Attachments
 from gateway.output import SampleOutput
+from gateway.prepare import Prepared
 from gateway.token_receiver import GenerationError, SampleTokens, TokenReceiver
 from gateway.tokenization import Tokenizer
 from gateway.worker_watch import WorkerWatch
 from shared.errors import ErrorCode
 from shared.keys import REQUESTS_STREAM_MAXLEN, Keys
-from shared.protocol import AbortMessage, GenerateRequest, RequestMeta, encode
+from shared.protocol import AbortMessage, encode
 
 logger = logging.getLogger(__name__)
 
@@ -33,34 +36,6 @@ class GenerationTimeout(GenerationError):
 
 class ClientDisconnected(Exception):
     """The client closed its connection before the request finished."""
-
-
-@dataclass(slots=True)
-class Prepared:
-    """A validated, tokenized request and what the gateway itself does with its output."""
-
-    request: GenerateRequest
-    chat: bool
-    stop: list[str] = field(default_factory=list)
-    prompt_text: str = ""
-    echo: bool = False
-    want_logprobs: bool = False
-    stream: bool = False
-    include_usage: bool = False
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def meta(self, owner: str) -> RequestMeta:
-        return RequestMeta(
-            request=self.request,
-            chat=self.chat,
-            created=self.created,
-            owner=owner,
-            stop=self.stop,
-            prompt_text=self.prompt_text,
-            echo=self.echo,
-            want_logprobs=self.want_logprobs,
-            include_usage=self.include_usage,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +73,9 @@ class Generation:
 
     The channel is subscribed before the request is queued, so no event can come before the gateway
     listens. A sample ended here by a stop string leaves its worker running; the request is aborted
-    once every sample has ended (with n = 1, at once).
+    once every sample has ended (with n = 1, at once). A client that drops is not the end of the request:
+    it is aborted only if nobody resumes it within the grace (gateway.attachments). A resumed stream is a
+    Generation too: instead of submitting, it replays what its client already has (replay()).
     """
 
     def __init__(
@@ -111,6 +88,7 @@ class Generation:
         model_name: str,
         limits: Limits,
         watch: WorkerWatch | None = None,
+        attachments: Attachments | None = None,
         arrived: float | None = None,
         is_disconnected: Callable[[], bool] = lambda: False,
     ) -> None:
@@ -121,6 +99,12 @@ class Generation:
         self._labels = {"model_name": model_name}
         self._limits = limits
         self._watch = watch
+        self._attachments = attachments
+        self._attachment: str | None = None
+        self._renewed_at = 0.0
+        self._closed = False
+        self.reattached = False  # a client attached to a request it did not submit here (no metrics)
+        self.resumed = False  # ... and it has had part of the stream (no opening chunks)
         self._arrived = time.monotonic() if arrived is None else arrived
         self._deadline = self._arrived + limits.timeout_s
         self._is_disconnected = is_disconnected
@@ -140,6 +124,12 @@ class Generation:
         self._receiver = TokenReceiver(
             client, keys, self.request.request_id, n, outage_grace_s=limits.redis_outage_grace_s
         )
+        if attachments is not None:
+            try:
+                self._attachment = attachments.attach(self.request_id)
+            except BaseException:
+                self._receiver.close()
+                raise
 
     @property
     def request_id(self) -> str:
@@ -176,8 +166,10 @@ class Generation:
         """Each batch of samples that changed; an empty list after every tick_s without events.
 
         Raises GenerationError (the request failed or timed out) and ClientDisconnected, after
-        aborting the request.
+        aborting the request. A resumed stream starts with every sample: what the replay left untaken.
         """
+        if self.reattached:
+            yield list(self.samples)
         while not self.done:
             now = time.monotonic()
             if now >= self._deadline:
@@ -185,8 +177,9 @@ class Generation:
                 limit = self._deadline - self._arrived
                 raise GenerationTimeout(f"the request did not finish within {limit:g} s")
             if self._is_disconnected():
-                self.abort("client_disconnect")
+                self.close()
                 raise ClientDisconnected(self.request_id)
+            self._renew(now)
             try:
                 batch = self._receiver.poll(min(self._limits.tick_s, self._deadline - now))
                 if not batch:
@@ -202,6 +195,44 @@ class Generation:
                 self._finished()
             if changed:
                 yield changed
+
+    def replay(self, cursor: list[int] | None) -> None:
+        """Attach to the request as it is: feed what the client already has (cursor: per sample, the position
+        it reached; None: nothing) through the samples silently, from the token record; the rest follows."""
+        self.resumed = cursor is not None
+        self.reattached = True
+        cursor = cursor or [0] * len(self.samples)
+        tokens, ends = self._receiver.record()
+        for sample, reached, recorded in zip(self.samples, cursor, tokens):
+            fed = min(reached, len(recorded))
+            sample.add(SampleTokens(sample.index, recorded[:fed], [None] * fed))
+            sample.take()  # the same text the client got: it holds back what it held back then
+            end = ends.get(sample.index)
+            if (
+                reached > sample.num_tokens
+                and not sample.finished
+                and end is not None
+                and fed == len(recorded)
+            ):
+                sample.add(SampleTokens(sample.index, [], [], end.finish_reason))  # it had the end too
+                sample.take()
+            if reached > sample.num_tokens and sample.finished:
+                sample.take_finish()
+            self._receiver.skip(sample.index, fed, sample.finish_reason)
+        self._apply(self._receiver.catch_up())
+
+    @property
+    def usage_sent(self) -> bool:
+        """A resumed client had the usage chunk already (its cursor is past every sample's end)."""
+        return self.resumed and all(s.position > s.num_tokens + 1 for s in self.samples)
+
+    def _renew(self, now: float) -> None:
+        if self._attachments is None or self._attachment is None:
+            return
+        if now - self._renewed_at >= self._attachments.lease_s / 3:
+            self._renewed_at = now
+            with contextlib.suppress(redis.RedisError):  # a Redis away: the receiver handles that
+                self._attachments.renew(self.request_id, self._attachment)
 
     def _check_workers(self) -> None:
         """With no live worker for longer than the grace, the request ends as a new one would: no_worker."""
@@ -225,7 +256,7 @@ class Generation:
         return list(changed.values())
 
     def _observe(self, tokens: SampleTokens) -> None:
-        if not tokens.token_ids:
+        if not tokens.token_ids or self.reattached:  # a re-read stream's latencies are not the request's
             return
         if not self._first_token_seen:
             self._first_token_seen = True
@@ -236,9 +267,10 @@ class Generation:
         self._last_token_at[tokens.index] = tokens.arrived_at
 
     def _finished(self) -> None:
-        metrics.E2E_REQUEST_LATENCY.labels(**self._labels).observe(time.monotonic() - self._arrived)
-        for sample in self.samples:
-            metrics.REQUEST_SUCCESS.labels(finished_reason=sample.finish_reason, **self._labels).inc()
+        if not self.reattached:
+            metrics.E2E_REQUEST_LATENCY.labels(**self._labels).observe(time.monotonic() - self._arrived)
+            for sample in self.samples:
+                metrics.REQUEST_SUCCESS.labels(finished_reason=sample.finish_reason, **self._labels).inc()
         if any(s.stopped_here for s in self.samples) and not self._receiver.done:
             self.abort("stop")
 
@@ -257,7 +289,20 @@ class Generation:
             logger.warning("request %s: could not publish its abort (%s): %s", rid, reason, e)
 
     def close(self, reason: str | None = "client_disconnect") -> None:
-        """Release the subscription; a request that has not finished is aborted with reason (unless None)."""
-        if reason is not None and not self.done:
-            self.abort(reason)
+        """Release the subscription and the attachment (once; later calls do nothing). A request that has not
+        finished is aborted with reason (None: not at all): at once, or, when its client dropped and others
+        may resume it, after the resume grace unless one has."""
+        if self._closed:
+            return
+        self._closed = True
+        attachments, attachment = self._attachments, self._attachment
+        if reason is not None and not self.done and self.aborted is None:
+            if attachments is not None and attachment is not None and reason == "client_disconnect":
+                attachments.detach_and_abort_later(self.request_id, attachment, lambda: self.abort(reason))
+                attachment = None
+            else:
+                self.abort(reason)
+        if attachments is not None and attachment is not None:
+            with contextlib.suppress(redis.RedisError):
+                attachments.detach(self.request_id, attachment)
         self._receiver.close()

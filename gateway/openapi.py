@@ -58,12 +58,28 @@ def _errors(*statuses: int) -> dict[str, Json]:
     return {str(s): _json(_ref("Error"), meaning[s]) for s in statuses}
 
 
-def _post(summary: str, body: Json, ok: Json, *statuses: int, secured: bool = True) -> Json:
+_RESUME_HEADER = {
+    "name": "Last-Event-ID",
+    "in": "header",
+    "required": False,
+    "description": (
+        "the id of the last event a stream delivered (`<request id>:<cursor>`): the stream goes on after it, "
+        "replayed from the request's record, then live; the body is not read"
+    ),
+    "schema": {"type": "string"},
+}
+
+
+def _post(
+    summary: str, body: Json, ok: Json, *statuses: int, secured: bool = True, resumable: bool = False
+) -> Json:
     operation: Json = {
         "summary": summary,
-        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+        "requestBody": {"required": not resumable, "content": {"application/json": {"schema": body}}},
         "responses": {"200": ok, **_errors(*statuses)},
     }
+    if resumable:
+        operation["parameters"] = [_RESUME_HEADER]
     if secured:
         operation["security"] = [{"bearer": []}]
     return {"post": operation}
@@ -80,6 +96,35 @@ def _get(summary: str, ok: Json, *extra: tuple[int, str], secured: bool = False)
 
 
 _OBJECT = {"type": "object"}
+
+
+def _retrieve(summary: str, ok: Json) -> Json:
+    parameters = [
+        {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}},
+        {
+            "name": "stream",
+            "in": "query",
+            "required": False,
+            "description": "true: server-sent events; false (the default): the whole response once finished",
+            "schema": {"type": "boolean"},
+        },
+        {
+            "name": "starting_after",
+            "in": "query",
+            "required": False,
+            "description": "a stream's event id or its cursor: stream only what comes after it",
+            "schema": {"type": "string"},
+        },
+    ]
+    operation = {
+        "summary": summary,
+        "parameters": parameters,
+        "responses": {"200": ok, **_errors(400, 401, 404, 500, 503, 504)},
+        "security": [{"bearer": []}],
+    }
+    return {"get": operation}
+
+
 _GENERATION_ERRORS = (400, 401, 404, 413, 415, 500, 503, 504)
 
 
@@ -109,10 +154,20 @@ def document(model_name: str) -> Json:
     tokenize_body = {"oneOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]}
     paths = {
         "/v1/completions": _post(
-            "Complete a prompt", _ref("CompletionRequest"), streamed, *_GENERATION_ERRORS
+            "Complete a prompt", _ref("CompletionRequest"), streamed, *_GENERATION_ERRORS, resumable=True
         ),
         "/v1/chat/completions": _post(
-            "Answer a conversation", _ref("ChatCompletionRequest"), streamed, *_GENERATION_ERRORS
+            "Answer a conversation",
+            _ref("ChatCompletionRequest"),
+            streamed,
+            *_GENERATION_ERRORS,
+            resumable=True,
+        ),
+        "/v1/completions/{request_id}": _retrieve(
+            "A completion's output, or the rest of its stream", streamed
+        ),
+        "/v1/chat/completions/{request_id}": _retrieve(
+            "A chat completion's output, or the rest of its stream", streamed
         ),
         "/v1/models": _get("The served model", _json(_OBJECT, "a list holding the model"), secured=True),
         "/v1/models/{model_id}": {

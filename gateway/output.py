@@ -46,6 +46,12 @@ class SampleOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def position(self) -> int:
+        """How far the client is in this sample once it has what was taken: its tokens, then one more for
+        the chunk that ends it. A stream's event ids carry it, and a resumed stream starts after it."""
+        return self.num_tokens + int(self._finish_sent)
+
     def add(self, tokens: SampleTokens) -> None:
         for token_id, logprob in zip(tokens.token_ids, tokens.logprobs):
             if self.finished:

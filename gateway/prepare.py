@@ -4,13 +4,56 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from gateway.errors import APIError, bad_request
-from gateway.generation import Prepared
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody, conversation
 from gateway.tokenization import Tokenizer
 from shared.errors import ErrorCode
-from shared.protocol import GenerateRequest, SamplingSpec
+from shared.protocol import GenerateRequest, RequestMeta, SamplingSpec
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated, tokenized request and what the gateway itself does with its output."""
+
+    request: GenerateRequest
+    chat: bool
+    stop: list[str] = field(default_factory=list)
+    prompt_text: str = ""
+    echo: bool = False
+    want_logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def meta(self, owner: str) -> RequestMeta:
+        return RequestMeta(
+            request=self.request,
+            chat=self.chat,
+            created=self.created,
+            owner=owner,
+            stop=self.stop,
+            prompt_text=self.prompt_text,
+            echo=self.echo,
+            want_logprobs=self.want_logprobs,
+            include_usage=self.include_usage,
+        )
+
+    @classmethod
+    def from_meta(cls, meta: RequestMeta, *, stream: bool) -> Prepared:
+        """The request as it was prepared when it was created, for a client that resumes it."""
+        return cls(
+            request=meta.request,
+            chat=meta.chat,
+            stop=list(meta.stop),
+            prompt_text=meta.prompt_text,
+            echo=meta.echo,
+            want_logprobs=meta.want_logprobs,
+            stream=stream,
+            include_usage=meta.include_usage,
+            created=meta.created,
+        )
 
 
 def new_request_id(prefix: str) -> str:

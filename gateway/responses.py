@@ -72,22 +72,32 @@ class ResponseFormat:
             return [self._chunk(s.index, prepared.prompt_text, None, None) for s in samples]
         return []
 
-    def sample_chunks(self, sample: SampleOutput) -> list[Json]:
-        """What changed in a sample since its last chunk: new text (and logprobs), then its end."""
+    def sample_chunks(self, sample: SampleOutput) -> list[tuple[Json, list[int]]]:
+        """What changed in a sample since its last chunk: new text (and logprobs), then its end; each chunk
+        with the cursor a client has reached once it has it (see gateway.resume)."""
         text, entries = sample.take()
         chunks = []
         want_logprobs = self._generation.prepared.want_logprobs
         if text or (entries and want_logprobs):
             logprobs = self._logprobs(entries) if want_logprobs else None
             content: Json | str = {"content": text} if self._chat else text
-            chunks.append(self._chunk(sample.index, content, logprobs, None))
+            chunks.append((self._chunk(sample.index, content, logprobs, None), self.cursor()))
         reason = sample.take_finish()
         if reason is not None:
-            chunks.append(self._chunk(sample.index, {} if self._chat else "", None, reason))
+            chunks.append((self._chunk(sample.index, {} if self._chat else "", None, reason), self.cursor()))
         return chunks
 
-    def usage_chunk(self) -> Json:
-        return {**self._head, "object": self._chunk_object, "choices": [], "usage": usage(self._generation)}
+    def cursor(self) -> list[int]:
+        return [s.position for s in self._generation.samples]
+
+    def usage_chunk(self) -> tuple[Json, list[int]]:
+        chunk: Json = {
+            **self._head,
+            "object": self._chunk_object,
+            "choices": [],
+            "usage": usage(self._generation),
+        }
+        return chunk, [position + 1 for position in self.cursor()]
 
     @property
     def _chunk_object(self) -> str:

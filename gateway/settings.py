@@ -22,6 +22,9 @@ class GatewaySettings(CommonSettings):
     no_worker_grace_s: float = Field(
         5.0, description="a request in flight with no live worker for this long ends with 503 no_worker"
     )
+    resume_grace_s: float = Field(
+        10.0, description="a request whose client dropped is aborted if nobody resumes it within this long"
+    )
     redis_outage_grace_s: float = Field(
         30.0, description="a request in flight fails (queue_unavailable) when Redis stays away this long"
     )

@@ -14,8 +14,9 @@ import redis
 
 from shared.errors import CodedError, ErrorCode
 from shared.keys import Keys
-from shared.protocol import TokenEvent, TokenLogprob, WireError, decode
+from shared.protocol import SampleEnd, TokenEvent, TokenLogprob, WireError, decode
 from shared.records import parse_ends, parse_tokens
+from shared.redis_client import NamedPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +147,31 @@ class TokenReceiver:
             "request %s: Redis is back after %.1f s", self.request_id, time.monotonic() - self._lost_at
         )
         self._lost_at = None
+        return self.catch_up()
+
+    def catch_up(self) -> list[SampleTokens]:
+        """Every sample's recorded tokens past the expected position, and the recorded ends."""
         out = []
         for index, expected in enumerate(self.expected):
             if index not in self.finished and (missed := self._record(index, expected, -1)):
                 out.append(self._deliver(index, missed, [None] * len(missed), None))
         return out + self.recover()
+
+    def record(self) -> tuple[list[list[int]], dict[int, SampleEnd]]:
+        """The request's whole record: each sample's tokens so far, and how those that ended ended."""
+        pipe = NamedPipeline(self._client)
+        for index in range(len(self.expected)):
+            pipe.named(index).lrange(self._keys.tokens(self.request_id, index), 0, -1)
+        pipe.named("ends").hgetall(self._keys.finished(self.request_id))
+        replies = pipe.execute()
+        tokens = [parse_tokens(replies[index]) for index in range(len(self.expected))]
+        return tokens, parse_ends(replies["ends"])
+
+    def skip(self, index: int, count: int, finish_reason: str | None = None) -> None:
+        """The first count tokens of a sample (and its end, if given) were handled without this receiver."""
+        self.expected[index] = count
+        if finish_reason is not None:
+            self.finished[index] = finish_reason
 
     def recover(self) -> list[SampleTokens]:
         """Samples whose end was recorded but whose last events never came (their worker died after

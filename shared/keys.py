@@ -13,6 +13,7 @@ test runs can share one Redis. `rid` is a request id, `wid` a worker id, `i` a s
 | {p}:aborts                   | pub/sub          | gateway               | workers              | -             |
 | {p}:request:{rid}:abort      | string           | gateway               | scheduler, worker    | REQUEST_TTL   |
 | {p}:request:{rid}:meta       | string (json)    | gateway               | gateway              | REQUEST_TTL   |
+| {p}:request:{rid}:attached   | zset id→lease    | gateway               | gateway              | REQUEST_TTL   |
 | {p}:request:{rid}:events     | pub/sub          | worker, scheduler     | gateway              | -             |
 | {p}:request:{rid}:tokens:{i} | list of ints     | worker                | scheduler, gateway   | REQUEST_TTL   |
 | {p}:request:{rid}:finished   | hash i→SampleEnd | worker, scheduler     | scheduler, gateway   | REQUEST_TTL   |
@@ -65,6 +66,9 @@ class Keys:
 
     def request_meta(self, rid: str) -> str:
         return f"{self.prefix}:request:{rid}:meta"
+
+    def attached(self, rid: str) -> str:
+        return f"{self.prefix}:request:{rid}:attached"
 
     def events(self, rid: str) -> str:
         return f"{self.prefix}:request:{rid}:events"

@@ -168,6 +168,7 @@ def service_env(redis_url: str, prefix: str, model: str, port: int, **overrides:
         "HEARTBEAT_TTL_S": "3",
         "HEARTBEAT_INTERVAL_S": "0.5",
         "SSE_HEARTBEAT_S": "0.5",
+        "RESUME_GRACE_S": "1",
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         **overrides,

@@ -7,6 +7,7 @@ import json
 import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -342,6 +343,36 @@ def test_serving_benchmark_smoke(cluster: Cluster, tiny_model_path: str, tmp_pat
     assert png.stat().st_size > 0
     serving.print_table(rows)
     assert json.loads(json.dumps(rows)) == rows
+
+
+def test_a_dropped_stream_resumes_with_last_event_id(cluster: Cluster, offline: LLM) -> None:
+    """The connection drops mid-stream; the client sends the request again with the id of the last event it
+    got, and receives the rest of the same generation: together, the uninterrupted text."""
+    prompt = PROMPTS[2]
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    expected = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    url = f"{cluster.base_url}/v1/completions"
+    pieces: list[str] = []
+    last_id = None
+    with requests.post(url, json={**body, "stream": True}, stream=True, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith(b"id: "):
+                last_id = line[len(b"id: ") :].decode()
+            elif line.startswith(b"data: {"):
+                pieces.extend(c["text"] for c in json.loads(line[len(b"data: ") :])["choices"])
+                if len(pieces) == 15:
+                    break  # the connection drops
+    assert last_id is not None and len(pieces) == 15
+    time.sleep(0.3)
+    with requests.post(
+        url, json=body, headers={"Last-Event-ID": last_id}, stream=True, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith(b"data: {"):
+                pieces.extend(c["text"] for c in json.loads(line[len(b"data: ") :])["choices"])
+    assert "".join(pieces) == expected
 
 
 def keys_without_ttl(cluster: Cluster) -> set[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,8 +27,9 @@ from flask.testing import FlaskClient
 
 from gateway.app import create_app
 from gateway.errors import HTTP_ERRORS, APIError
-from gateway.generation import Generation, GenerationTimeout, Limits, Prepared
+from gateway.generation import Generation, GenerationTimeout, Limits
 from gateway.output import SampleOutput
+from gateway.prepare import Prepared
 from gateway.settings import GatewaySettings
 from gateway.token_receiver import GenerationError
 from gateway.tokenization import Tokenizer, load_tokenizer
@@ -210,9 +212,20 @@ def sse_events(body: str) -> list[str]:
 def data_of(events: list[str]) -> list[Any]:
     out = []
     for e in events:
-        if e.startswith("data: ") and e != "data: [DONE]":
-            out.append(json.loads(e[len("data: ") :]))
+        for line in e.split("\n"):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[len("data: ") :]))
     return out
+
+
+def event_ids(events: list[str]) -> list[str | None]:
+    """Each data event's id (None where it has none)."""
+    ids: list[str | None] = []
+    for e in events:
+        lines = e.split("\n")
+        if any(line.startswith("data: {") for line in lines):
+            ids.append(next((line[len("id: ") :] for line in lines if line.startswith("id: ")), None))
+    return ids
 
 
 def make_generation(
@@ -596,7 +609,7 @@ def test_tokenize_and_detokenize(client, tok) -> None:
 
 def test_openapi_describes_every_route(client) -> None:
     app_paths = {
-        rule.rule.replace("<path:", "{").replace(">", "}")
+        re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule)
         for rule in client.application.url_map.iter_rules()
         if rule.endpoint != "static"
     }
@@ -861,8 +874,21 @@ def test_stream_error_event(client, r, keys) -> None:
     assert event["error"]["code"] == "kv_capacity_exceeded" and "fit" in event["error"]["message"]
 
 
+GRACE_S = 0.5
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> float:
+    """Seconds until predicate holds (fails the test past timeout)."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, "timed out"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
 @pytest.mark.usefixtures("worker")
-def test_client_disconnect_aborts_the_request(client, r, keys, tok) -> None:
+def test_a_client_that_drops_and_never_comes_back_is_aborted_after_the_grace(make_app, r, keys) -> None:
+    client = make_app(resume_grace_s=GRACE_S).test_client()
     aborts = r.pubsub()
     aborts.subscribe(keys.aborts)
     response = client.post(CHAT, json={"messages": USER, "stream": True}, buffered=False)
@@ -871,11 +897,105 @@ def test_client_disconnect_aborts_the_request(client, r, keys, tok) -> None:
     (entry,) = r.xrange(keys.requests)  # type: ignore[misc]
     rid = decode(GenerateRequest, entry[1]["data"]).request_id
     response.close()  # the client goes away
-    assert r.get(keys.abort_flag(rid)) == "client_disconnect"
+    assert r.get(keys.abort_flag(rid)) is None  # not at once: it may come back
+    waited = wait_for(lambda: r.get(keys.abort_flag(rid)) == "client_disconnect")
+    assert GRACE_S * 0.8 < waited < GRACE_S + 2
     messages = [aborts.get_message(timeout=1) for _ in range(2)]
     abort = [decode(AbortMessage, m["data"]) for m in messages if m and m["type"] == "message"]
     assert abort == [AbortMessage(request_id=rid, reason="client_disconnect")]
     aborts.close()
+
+
+class PacedWorker(FakeWorker):
+    """Answers one request token by token, each only once the test lets it (release(k): k more)."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, ids: list[int], finish: str = "length") -> None:
+        self.allowed = threading.Semaphore(0)
+        self.sent = 0
+
+        def respond(request: GenerateRequest) -> None:
+            for pos, token in enumerate(ids):
+                assert self.allowed.acquire(timeout=20)
+                last = pos == len(ids) - 1
+                emit(r, keys, request.request_id, 0, pos, [token], finish if last else None)
+                self.sent += 1
+
+        super().__init__(r, keys, respond)
+
+    def release(self, count: int) -> None:
+        for _ in range(count):
+            self.allowed.release()
+
+
+def read_events(body: Iterator[bytes], count: int) -> list[str]:
+    """count data events (each with its id line) from a streaming response, as blocks of text."""
+    text, events = "", []
+    while len(events) < count:
+        text += next(body).decode()
+        *complete, text = text.split("\n\n")
+        events.extend(e for e in complete if "data: " in e)
+    return events
+
+
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize("how", ["last-event-id", "get"])
+def test_a_dropped_stream_resumes_after_its_last_event(make_app, r, keys, tok, how: str) -> None:
+    client = make_app(resume_grace_s=GRACE_S).test_client()
+    ids = tok.encode(" one two three four five six seven eight nine ten")
+    expected = tok.decode(ids)
+    paced = PacedWorker(r, keys, ids)
+    paced.start()
+    body = {"prompt": "count", "stream": True, "stop": ["zzz"], "stream_options": {"include_usage": True}}
+    first = client.post(CMPL, json=body, buffered=False)
+    stream = iter(first.response)
+    paced.release(4)
+    seen = read_events(stream, 3)  # the client got three chunks, then lost its connection
+    first.close()
+    last_id = event_ids(seen)[-1]
+    assert last_id is not None
+    rid, cursor = last_id.rsplit(":", 1)
+    assert int(cursor) <= 4
+    paced.release(len(ids))  # meanwhile the worker goes on
+    if how == "last-event-id":
+        resumed = client.post(CMPL, json=body, headers={"Last-Event-ID": last_id})
+    else:
+        resumed = client.get(f"{CMPL}/{rid}?stream=true&starting_after={cursor}")
+    events = sse_events(resumed.get_data(as_text=True))
+    paced.join()
+    assert events[-1] == "data: [DONE]"
+    chunks = data_of(seen) + data_of(events)
+    assert (
+        "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
+    )  # no gap, no duplicate
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
+    positions = [int(i.rsplit(":", 1)[1]) for i in event_ids(seen + events) if i]
+    assert positions == sorted(positions) and positions[-1] == len(ids) + 2  # the usage chunk's
+    # Resumed within the grace: the request was never aborted.
+    time.sleep(GRACE_S + 0.3)
+    assert r.get(keys.abort_flag(rid)) in (None, "client_disconnect")  # (finished by then, at the worst)
+    # The same request whole, once more, with the non-stream GET.
+    whole = client.get(f"{CMPL}/{rid}").get_json()
+    assert whole["id"] == rid and whole["choices"][0]["text"] == expected
+
+
+@pytest.mark.usefixtures("worker")
+def test_only_the_key_that_made_a_request_resumes_it(make_app, r, keys, tok) -> None:
+    client = make_app(api_keys="k1,k2", resume_grace_s=GRACE_S).test_client()
+    ids = tok.encode(" fine")
+    fake = FakeWorker(r, keys, answer_with(r, keys, ids))
+    fake.start()
+    k1, k2 = ({"Authorization": f"Bearer {k}"} for k in ("k1", "k2"))
+    done = client.post(CMPL, json={"prompt": "x", "stream": True}, headers=k1)
+    fake.join()
+    rid = event_ids(sse_events(done.get_data(as_text=True)))[0].split(":")[0]  # type: ignore[union-attr]
+    assert client.get(f"{CMPL}/{rid}?stream=true", headers=k1).status_code == 200
+    error = assert_openai_error(client.get(f"{CMPL}/{rid}", headers=k2), 404)
+    assert error["code"] == "request_not_found"
+    assert_openai_error(client.get(f"{CHAT}/{rid}", headers=k1), 404)  # a completion, not a chat completion
+    assert_openai_error(client.post(CMPL, headers={**k1, "Last-Event-ID": f"{rid}:x"}), 400)
+    assert_openai_error(client.post(CMPL, headers={**k1, "Last-Event-ID": f"{rid}:1,2"}), 400)  # n is 1
+    assert_openai_error(client.get(f"{CMPL}/nothing-{uuid.uuid4().hex}", headers=k1), 404)
 
 
 # -- under gunicorn, with gevent workers --------------------------------------------------------------------
@@ -898,6 +1018,7 @@ def gunicorn_url(redis_url, redis_prefix, tiny_model_path, tmp_path) -> Iterator
         "PORT": str(port),
         "GATEWAY_WORKERS": "1",
         "SSE_HEARTBEAT_S": "0.1",
+        "RESUME_GRACE_S": "0.5",
         "LOG_LEVEL": "WARNING",
         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"),
     }
