@@ -16,6 +16,7 @@ from gateway import metrics, openapi
 from gateway.attachments import Attachments
 from gateway.backpressure import check_backpressure
 from gateway.errors import APIError, bad_request, install_error_handlers
+from gateway.event_hub import EventHub
 from gateway.generation import ClientDisconnected, Generation, Limits, peer_closed
 from gateway.prepare import Prepared, check_model, prepare_chat, prepare_completion
 from gateway.request_body import bearer_token, json_body, parse_body, validate
@@ -54,8 +55,14 @@ class Gateway:
         self.settings = settings
         self.keys = settings.keys
         self.model_name = settings.served_model_name
-        # One client, so one connection pool, per process; each request's subscription borrows from it.
-        self.redis = connect(settings.redis_url)
+        # One client, so one connection pool, per process; a request waits for a connection when all are busy.
+        # Every request's subscription goes through the process's one pub/sub connection (the hub).
+        self.redis = connect(
+            settings.redis_url,
+            max_connections=settings.redis_max_connections,
+            client_name=f"{settings.redis_prefix}:gateway",  # CLIENT LIST tells its connections apart
+        )
+        self.hub = EventHub(self.redis)
         self.registry = WorkerRegistry(self.redis, self.keys)
         self.tokenizer = load_tokenizer(settings.model, settings.max_model_len)
         self.api_keys = [k.encode() for k in sorted(settings.api_key_set())]
@@ -167,6 +174,7 @@ class Gateway:
             prepared,
             model_name=self.model_name,
             limits=self.limits,
+            hub=self.hub,
             watch=self.watch,
             attachments=self.attachments,
             arrived=arrived,

@@ -15,6 +15,7 @@ import redis
 
 from gateway import metrics
 from gateway.attachments import Attachments
+from gateway.event_hub import EventHub
 from gateway.output import SampleOutput
 from gateway.prepare import Prepared
 from gateway.token_receiver import GenerationError, SampleTokens, TokenReceiver
@@ -87,6 +88,7 @@ class Generation:
         *,
         model_name: str,
         limits: Limits,
+        hub: EventHub,
         watch: WorkerWatch | None = None,
         attachments: Attachments | None = None,
         arrived: float | None = None,
@@ -122,7 +124,7 @@ class Generation:
         self._first_token_seen = False
         self.aborted: str | None = None
         self._receiver = TokenReceiver(
-            client, keys, self.request.request_id, n, outage_grace_s=limits.redis_outage_grace_s
+            client, keys, self.request.request_id, n, hub=hub, outage_grace_s=limits.redis_outage_grace_s
         )
         if attachments is not None:
             try:
@@ -182,7 +184,7 @@ class Generation:
             self._renew(now)
             try:
                 batch = self._receiver.poll(min(self._limits.tick_s, self._deadline - now))
-                if not batch:
+                if not batch and self._receiver.connected:  # (a Redis away has a grace of its own)
                     self._check_workers()
             except GenerationError:
                 self.abort("error")

@@ -17,6 +17,9 @@ class GatewaySettings(CommonSettings):
     api_keys: str = Field("", description="comma-separated accepted API keys; empty: no auth")
     max_queue_len: int = Field(1000, description="over this many queued requests, answer 503")
     max_body_bytes: int = Field(1 << 20, description="largest accepted request body")
+    redis_max_connections: int = Field(
+        64, description="Redis connections per gateway process; requests wait for one when all are busy"
+    )
     sse_heartbeat_s: float = Field(5.0, description="seconds between SSE keep-alive comments")
     request_timeout_s: float = Field(600.0, description="give up on a request after this long")
     no_worker_grace_s: float = Field(

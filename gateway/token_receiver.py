@@ -3,15 +3,15 @@ from the token record."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import pydantic
 import redis
 
+from gateway.event_hub import EventHub
 from shared.errors import CodedError, ErrorCode
 from shared.keys import Keys
 from shared.protocol import SampleEnd, TokenEvent, TokenLogprob, WireError, decode
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 SUBSCRIBE_TIMEOUT_S = 5.0
 MAX_EVENTS_PER_POLL = 256
-RECONNECT_INTERVAL_S = 0.5  # between attempts to subscribe again while Redis is away
+RECONNECT_INTERVAL_S = 0.5  # how often a request looks whether Redis is back
 
 
 class GenerationError(CodedError):
@@ -51,9 +51,9 @@ class TokenReceiver:
     kept: the part of an event before it is a duplicate (a resumed sample re-sending), and an event
     starting after it means events were missed, whose tokens are read from the sample's record.
 
-    When the connection to Redis drops, it subscribes again (each poll tries once) and reads what it missed
-    from the record; a Redis that stays away past outage_grace_s, or comes back without the request, fails it
-    with queue_unavailable.
+    Messages come through the process's event hub. When its connection to Redis drops, the hub connects
+    again, and the receiver reads what it missed from the record; a Redis that stays away past
+    outage_grace_s, or comes back without the request, fails it with queue_unavailable.
     """
 
     def __init__(
@@ -63,6 +63,7 @@ class TokenReceiver:
         request_id: str,
         num_samples: int,
         *,
+        hub: EventHub,
         outage_grace_s: float = 30.0,
     ) -> None:
         self._client = client
@@ -71,82 +72,70 @@ class TokenReceiver:
         self.expected = [0] * num_samples
         self.finished: dict[int, str] = {}
         self._outage_grace_s = outage_grace_s
-        self._lost_at: float | None = None  # when the connection dropped, while it is down
-        self._pubsub: Any = client.pubsub()
-        try:
-            self._subscribe()
-        except BaseException:
-            self.close()
-            raise
-
-    def _subscribe(self) -> None:
-        # Wait for the confirmation: only then is the subscription in place before the request is queued.
-        self._pubsub.subscribe(self._keys.events(self.request_id))
-        deadline = time.monotonic() + SUBSCRIBE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            message = self._pubsub.get_message(timeout=deadline - time.monotonic())
-            if message is not None and message["type"] == "subscribe":
-                return
-        raise redis.TimeoutError("no confirmation of the subscription to the request's channel")
+        self._hub = hub
+        # Confirmed on return: the subscription is in place before the request is queued.
+        self._subscription = hub.subscribe(keys.events(request_id), SUBSCRIBE_TIMEOUT_S)
+        self._epoch = hub.epoch
 
     @property
     def done(self) -> bool:
         return len(self.finished) == len(self.expected)
 
+    @property
+    def connected(self) -> bool:
+        """The hub's connection is up, and nothing was missed while it was down."""
+        return self._hub.down_since is None and self._hub.epoch == self._epoch
+
     def poll(self, timeout: float) -> list[SampleTokens]:
         """What arrives within timeout (all that is waiting, once the first event is in); when nothing does,
         the ends recorded without their events."""
-        if self._lost_at is not None:
-            return self._reconnect(timeout)
+        if not self.connected:
+            return self._after_outage(timeout)
+        out = self._receive(timeout)
+        if out:
+            return out
         try:
-            out = self._receive(timeout)
-            return out or self.recover()
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            logger.warning("request %s: lost Redis (%s); subscribing again", self.request_id, e)
-            self._lost_at = time.monotonic()
-            self.close()
-            return []
+            return self.recover()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return []  # the hub notices a Redis that is away; the next poll waits for it
 
     def _receive(self, timeout: float) -> list[SampleTokens]:
+        messages = self._subscription.messages
         out: list[SampleTokens] = []
-        wait = max(timeout, 0.0)
-        for _ in range(MAX_EVENTS_PER_POLL):
-            message = self._pubsub.get_message(timeout=wait)
-            if message is None:
-                break
-            wait = 0.0
-            if message["type"] != "message":
-                continue
-            event = self._parse(message["data"])
-            if event is not None:
-                out.extend(self.accept(event))
+        try:
+            data = messages.get(timeout=max(timeout, 0.0))
+            for _ in range(MAX_EVENTS_PER_POLL):
+                event = self._parse(data)
+                if event is not None:
+                    out.extend(self.accept(event))
+                data = messages.get_nowait()
+        except queue.Empty:
+            pass
         return out
 
-    def _reconnect(self, timeout: float) -> list[SampleTokens]:
-        """Subscribe again and catch up from the record; raises once the outage outlasts its grace."""
-        assert self._lost_at is not None
-        try:
-            self._pubsub = self._client.pubsub()
-            self._subscribe()
-            known = self._client.exists(self._keys.request_meta(self.request_id))
-        except redis.RedisError:
-            self.close()
-            down = time.monotonic() - self._lost_at
+    def _after_outage(self, timeout: float) -> list[SampleTokens]:
+        """While the hub is disconnected, wait (failing once the outage outlasts its grace); once it is back,
+        catch up from the record, if Redis still has the request."""
+        down_since = self._hub.down_since
+        if down_since is not None:
+            down = time.monotonic() - down_since
             if down > self._outage_grace_s:
                 raise GenerationError(
                     ErrorCode.QUEUE_UNAVAILABLE, f"Redis has been unreachable for {down:.0f} s"
-                ) from None
+                )
             time.sleep(max(0.0, min(timeout, RECONNECT_INTERVAL_S)))
+            return []
+        try:
+            known = self._client.exists(self._keys.request_meta(self.request_id))
+        except redis.RedisError:
             return []
         if not known:
             raise GenerationError(
                 ErrorCode.QUEUE_UNAVAILABLE,
                 "Redis came back without this request (it lost its data); send it again",
             )
-        logger.info(
-            "request %s: Redis is back after %.1f s", self.request_id, time.monotonic() - self._lost_at
-        )
-        self._lost_at = None
+        self._epoch = self._hub.epoch
+        logger.info("request %s: Redis is back; catching up from the record", self.request_id)
         return self.catch_up()
 
     def catch_up(self) -> list[SampleTokens]:
@@ -237,5 +226,4 @@ class TokenReceiver:
         return event if event.request_id == self.request_id else None
 
     def close(self) -> None:
-        with contextlib.suppress(redis.RedisError):
-            self._pubsub.close()  # drops the connection, and with it the subscription
+        self._hub.unsubscribe(self._subscription)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 FIRST_DELAY_S = 0.1
-MAX_DELAY_S = 5.0
+MAX_DELAY_S = 2.0
 
 
 class Backoff:

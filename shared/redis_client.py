@@ -18,8 +18,12 @@ READ_TIMEOUT_S = 30.0
 HEALTH_CHECK_INTERVAL_S = 30
 
 
-def connect(url: str, **options: Any) -> redis.Redis:
-    """A client (one connection pool) for url, replies decoded to str; options override the defaults."""
+def connect(url: str, max_connections: int | None = None, **options: Any) -> redis.Redis:
+    """A client (one connection pool) for url, replies decoded to str; options override the defaults.
+
+    With max_connections, a command that finds every connection busy waits for one (up to the read timeout)
+    instead of failing: what a process serving many requests at once needs.
+    """
     settings: dict[str, Any] = {
         "decode_responses": True,
         "socket_connect_timeout": CONNECT_TIMEOUT_S,
@@ -27,7 +31,12 @@ def connect(url: str, **options: Any) -> redis.Redis:
         "health_check_interval": HEALTH_CHECK_INTERVAL_S,
         **options,
     }
-    return redis.Redis.from_url(url, **settings)
+    if max_connections is None:
+        return redis.Redis.from_url(url, **settings)
+    pool = redis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=READ_TIMEOUT_S, **settings
+    )
+    return redis.Redis(connection_pool=pool)
 
 
 class NamedPipeline:

@@ -27,6 +27,7 @@ from flask.testing import FlaskClient
 
 from gateway.app import create_app
 from gateway.errors import HTTP_ERRORS, APIError
+from gateway.event_hub import EventHub
 from gateway.generation import Generation, GenerationTimeout, Limits
 from gateway.output import SampleOutput
 from gateway.prepare import Prepared
@@ -63,6 +64,14 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     yield client
     client.close()
+
+
+@pytest.fixture
+def hub(r: redis.Redis) -> Iterator[EventHub]:
+    """The process's pub/sub connection, as a gateway process has one."""
+    events = EventHub(r)
+    yield events
+    events.stop()
 
 
 @pytest.fixture
@@ -229,6 +238,7 @@ def event_ids(events: list[str]) -> list[str | None]:
 
 
 def make_generation(
+    hub: EventHub,
     r: redis.Redis,
     keys: Keys,
     tok: Tokenizer,
@@ -248,7 +258,7 @@ def make_generation(
     limits = Limits(
         timeout_s=timeout_s, tick_s=TICK_S, request_ttl_s=60, no_worker_grace_s=60, redis_outage_grace_s=60
     )
-    return Generation(r, keys, tok, prepared, model_name="tiny", limits=limits)
+    return Generation(r, keys, tok, prepared, model_name="tiny", limits=limits, hub=hub)
 
 
 def next_change(updates: Iterator[list[SampleOutput]]) -> list[SampleOutput]:
@@ -261,9 +271,9 @@ def next_change(updates: Iterator[list[SampleOutput]]) -> list[SampleOutput]:
 # -- the consumer: order, dedupe, gaps, stop strings, characters, samples -----------------------------------
 
 
-def test_duplicates_are_dropped_and_gaps_filled_from_the_record(r, keys, tok) -> None:
+def test_duplicates_are_dropped_and_gaps_filled_from_the_record(hub, r, keys, tok) -> None:
     ids = tok.encode(" one two three four five six")
-    gen = make_generation(r, keys, tok)
+    gen = make_generation(hub, r, keys, tok)
     rid = gen.request_id
     r.rpush(keys.tokens(rid, 0), *ids)  # the record holds every token; some events never arrive
     emit(r, keys, rid, 0, 0, ids[:2], record=False)
@@ -278,8 +288,8 @@ def test_duplicates_are_dropped_and_gaps_filled_from_the_record(r, keys, tok) ->
     assert gen.aborted is None
 
 
-def test_tokens_missing_from_the_record_fail_the_request(r, keys, tok) -> None:
-    gen = make_generation(r, keys, tok)
+def test_tokens_missing_from_the_record_fail_the_request(hub, r, keys, tok) -> None:
+    gen = make_generation(hub, r, keys, tok)
     emit(r, keys, gen.request_id, 0, 4, [11], record=False)
     with pytest.raises(GenerationError, match="lost"):
         list(gen.updates())
@@ -287,12 +297,12 @@ def test_tokens_missing_from_the_record_fail_the_request(r, keys, tok) -> None:
     assert r.get(keys.abort_flag(gen.request_id)) == "error"
 
 
-def test_stop_string_across_events_is_caught_and_never_sent(r, keys, tok) -> None:
+def test_stop_string_across_events_is_caught_and_never_sent(hub, r, keys, tok) -> None:
     aborts = r.pubsub()
     aborts.subscribe(keys.aborts)
     pieces = [" Hello", " wor", "ld", ",", " and", " more"]
     ids = [tok.encode(p)[0] for p in pieces]
-    gen = make_generation(r, keys, tok, stop=["lo world,"])
+    gen = make_generation(hub, r, keys, tok, stop=["lo world,"])
     rid = gen.request_id
     updates = gen.updates()
     sent = []
@@ -319,10 +329,10 @@ def test_stop_string_across_events_is_caught_and_never_sent(r, keys, tok) -> Non
     gen.close()
 
 
-def test_multibyte_characters_split_across_tokens_are_never_split_in_the_text(r, keys, tok) -> None:
+def test_multibyte_characters_split_across_tokens_are_never_split_in_the_text(hub, r, keys, tok) -> None:
     ids = tok.encode(" 日本 café")
     assert any("\ufffd" in tok.token_text(t) for t in ids), "the test needs characters split across tokens"
-    gen = make_generation(r, keys, tok)
+    gen = make_generation(hub, r, keys, tok)
     updates = gen.updates()
     sent = []
     for pos, token in enumerate(ids):
@@ -334,10 +344,10 @@ def test_multibyte_characters_split_across_tokens_are_never_split_in_the_text(r,
     assert not any("\ufffd" in s for s in sent)
 
 
-def test_two_samples_interleaved_abort_only_once_both_end(r, keys, tok) -> None:
+def test_two_samples_interleaved_abort_only_once_both_end(hub, r, keys, tok) -> None:
     a = tok.encode(" red green blue")
     b = tok.encode(" cat dog")
-    gen = make_generation(r, keys, tok, n=2, stop=[" green"])
+    gen = make_generation(hub, r, keys, tok, n=2, stop=[" green"])
     rid = gen.request_id
     updates = gen.updates()
     emit(r, keys, rid, 1, 0, b[:1])
@@ -356,8 +366,8 @@ def test_two_samples_interleaved_abort_only_once_both_end(r, keys, tok) -> None:
     assert r.get(keys.abort_flag(rid)) == "stop"
 
 
-def test_samples_ended_by_the_worker_need_no_abort(r, keys, tok) -> None:
-    gen = make_generation(r, keys, tok, n=2)
+def test_samples_ended_by_the_worker_need_no_abort(hub, r, keys, tok) -> None:
+    gen = make_generation(hub, r, keys, tok, n=2)
     emit(r, keys, gen.request_id, 0, 0, tok.encode(" yes"), "stop")
     emit(r, keys, gen.request_id, 1, 0, tok.encode(" no"), "length")
     list(gen.updates())
@@ -366,9 +376,9 @@ def test_samples_ended_by_the_worker_need_no_abort(r, keys, tok) -> None:
     assert r.get(keys.abort_flag(gen.request_id)) is None
 
 
-def test_ends_recorded_without_their_last_event_are_recovered(r, keys, tok) -> None:
+def test_ends_recorded_without_their_last_event_are_recovered(hub, r, keys, tok) -> None:
     ids = tok.encode(" the end")
-    gen = make_generation(r, keys, tok)
+    gen = make_generation(hub, r, keys, tok)
     emit(r, keys, gen.request_id, 0, 0, ids[:1])
     # The worker recorded the rest and the end, then died before publishing.
     r.rpush(keys.tokens(gen.request_id, 0), *ids[1:])
@@ -378,8 +388,8 @@ def test_ends_recorded_without_their_last_event_are_recovered(r, keys, tok) -> N
     assert (gen.samples[0].text, gen.samples[0].finish_reason) == (" the end", "stop")
 
 
-def test_an_error_recorded_without_its_event_fails_the_request_with_its_code(r, keys, tok) -> None:
-    gen = make_generation(r, keys, tok)
+def test_an_error_recorded_without_its_event_fails_the_request_with_its_code(hub, r, keys, tok) -> None:
+    gen = make_generation(hub, r, keys, tok)
     error = WireError(code=ErrorCode.KV_CAPACITY_EXCEEDED, message="does not fit")
     r.hset(keys.finished(gen.request_id), "0", encode(SampleEnd(finish_reason="error", error=error)))
     with pytest.raises(GenerationError) as info:
@@ -388,8 +398,8 @@ def test_an_error_recorded_without_its_event_fails_the_request_with_its_code(r, 
     assert (info.value.code, info.value.message) == (ErrorCode.KV_CAPACITY_EXCEEDED, "does not fit")
 
 
-def test_an_error_event_fails_the_request_with_its_code(r, keys, tok) -> None:
-    gen = make_generation(r, keys, tok)
+def test_an_error_event_fails_the_request_with_its_code(hub, r, keys, tok) -> None:
+    gen = make_generation(hub, r, keys, tok)
     error = WireError(code=ErrorCode.CONTEXT_LENGTH_EXCEEDED, message="prompt of 9000 tokens reaches 2048")
     emit(r, keys, gen.request_id, 0, 0, [], "error", error=error)
     with pytest.raises(GenerationError) as info:
@@ -399,8 +409,8 @@ def test_an_error_event_fails_the_request_with_its_code(r, keys, tok) -> None:
     assert APIError.of(info.value).status == 400  # can never run: the client's problem
 
 
-def test_a_request_past_its_timeout_is_aborted(r, keys, tok) -> None:
-    gen = make_generation(r, keys, tok, timeout_s=0.2)
+def test_a_request_past_its_timeout_is_aborted(hub, r, keys, tok) -> None:
+    gen = make_generation(hub, r, keys, tok, timeout_s=0.2)
     with pytest.raises(GenerationTimeout):
         list(gen.updates())
     gen.close()
@@ -1009,6 +1019,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+GUNICORN_REDIS_CONNECTIONS = 8
+
+
 @pytest.fixture
 def gunicorn_url(redis_url, redis_prefix, tiny_model_path, tmp_path) -> Iterator[str]:
     port = _free_port()
@@ -1021,6 +1034,7 @@ def gunicorn_url(redis_url, redis_prefix, tiny_model_path, tmp_path) -> Iterator
         "GATEWAY_WORKERS": "1",
         "SSE_HEARTBEAT_S": "0.1",
         "RESUME_GRACE_S": "0.5",
+        "REDIS_MAX_CONNECTIONS": str(GUNICORN_REDIS_CONNECTIONS),
         "LOG_LEVEL": "WARNING",
         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"),
     }
@@ -1048,16 +1062,16 @@ def gunicorn_url(redis_url, redis_prefix, tiny_model_path, tmp_path) -> Iterator
 def test_gunicorn_gevent_worker_holds_many_streams_at_once(gunicorn_url, r, keys, tok) -> None:
     add_worker(r, keys)
     ids = tok.encode(" in parallel")
-    count = 4
+    count = 200
     # The fake worker answers nothing until all requests are queued: they all wait at once, on one
-    # gunicorn worker process, each blocked on its Redis subscription.
+    # gunicorn worker process, on one pub/sub connection and a few pooled ones.
     fake = FakeWorker(r, keys, answer_with(r, keys, ids), count=count, hold=True)
     fake.start()
     bodies: list[str] = []
 
     def stream() -> None:
         body = {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
-        with requests.post(f"{gunicorn_url}/v1/completions", json=body, stream=True, timeout=30) as response:
+        with requests.post(f"{gunicorn_url}/v1/completions", json=body, stream=True, timeout=60) as response:
             bodies.append(response.text)
 
     clients = [threading.Thread(target=stream) for _ in range(count)]
@@ -1068,8 +1082,10 @@ def test_gunicorn_gevent_worker_holds_many_streams_at_once(gunicorn_url, r, keys
         assert requests.get(f"{gunicorn_url}/health", timeout=5).status_code == 200
         assert time.monotonic() - started < 1.0  # the waiting streams do not block the process
         time.sleep(0.05)
+    connections = [c for c in r.client_list() if c["name"] == f"{keys.prefix}:gateway"]
+    assert 1 <= len(connections) <= GUNICORN_REDIS_CONNECTIONS + 1  # the pool, and the hub's pub/sub
     for t in clients:
-        t.join(timeout=30)
+        t.join(timeout=60)
     fake.join()
     assert fake.error is None and len(bodies) == count
     for body in bodies:
