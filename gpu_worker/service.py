@@ -82,6 +82,7 @@ class WorkerService:
         self.aborts = self.redis.pubsub(ignore_subscribe_messages=True)
         self.outbox = Outbox()
         self.registered = False
+        self._taken_blocks = 0  # reserved for assignments taken in since the last heartbeat
         self._backoff = Backoff()
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -92,8 +93,10 @@ class WorkerService:
         An inbox that is gone while requests run here means the scheduler declared this worker dead and
         re-queued them, or Redis came back empty: either way they are no longer this worker's to finish.
         """
-        if self.active and not self.redis.exists(self.keys.inbox(self.worker_id)):
-            self._drop_all("its inbox is gone (declared dead, or Redis lost its data)")
+        if not self.redis.exists(self.keys.inbox(self.worker_id)):
+            self._taken_blocks = 0  # its reservation counter went with it
+            if self.active:
+                self._drop_all("its inbox is gone (declared dead, or Redis lost its data)")
         self._create_group()
         self.aborts.close()
         self.aborts = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -207,11 +210,12 @@ class WorkerService:
                 raise
             self._rejoin()
             return 0
-        entries: list[tuple[str, str | None]] = [
-            (entry_id, (fields or {}).get("data"))
-            for _, messages in reply or []
-            for entry_id, fields in messages
-        ]
+        entries: list[tuple[str, str | None]] = []
+        for _, messages in reply or []:
+            for entry_id, fields in messages:
+                entries.append((entry_id, (fields or {}).get("data")))
+                # Reserved for it by the scheduler: handed back by the heartbeat that counts it (heartbeat()).
+                self._taken_blocks += _int_or_zero((fields or {}).get("blocks"))
         if not entries:
             return 0
         pipe = self.outbox
@@ -230,11 +234,9 @@ class WorkerService:
                 pipe.hdel(self.keys.assigned(self.worker_id), assignment.request.request_id)
             else:
                 self._start(assignment.request, pipe)
-        # Handed on to the engine: from here a failure is recovered through the assigned hash, not the inbox,
-        # so the entries go (the scheduler counts reservations only from entries after inbox_last_id).
-        entry_ids = [entry_id for entry_id, _ in entries]
-        pipe.xack(inbox, WORKER_GROUP, *entry_ids)
-        pipe.xdel(inbox, *entry_ids)
+        # Handed on to the engine: from here a failure is recovered through the assigned hash, not the inbox
+        # (whose taken entries the next heartbeat trims).
+        pipe.xack(inbox, WORKER_GROUP, *[entry_id for entry_id, _ in entries])
         self.inbox_last_id = entries[-1][0]
         self.outbox.flush(self.redis)
         return len(entries)
@@ -250,6 +252,7 @@ class WorkerService:
     def _rejoin(self) -> None:
         """The scheduler took this worker for dead and re-queued its requests: drop them, register again."""
         self._drop_all("it was declared dead (its heartbeat lapsed)")
+        self._taken_blocks = 0
         self._create_group()
         self.heartbeat()
 
@@ -423,7 +426,16 @@ class WorkerService:
         pipe.hset(key, mapping=beat.to_hash())  # type: ignore[arg-type]
         pipe.expire(key, max(1, int(self.settings.heartbeat_ttl_s + 0.999)))
         pipe.sadd(self.keys.workers, self.worker_id)
+        # The blocks of what was taken in move from the reservation counter to free/waiting blocks at once,
+        # and the taken entries leave the inbox.
+        if self._taken_blocks:
+            pipe.decrby(self.keys.reserved(self.worker_id), self._taken_blocks)
+        if self.inbox_last_id != "0-0":
+            pipe.xtrim(
+                self.keys.inbox(self.worker_id), minid=_next_stream_id(self.inbox_last_id), approximate=False
+            )
         pipe.execute()
+        self._taken_blocks = 0
         self.last_heartbeat = time.monotonic()
 
 
@@ -433,3 +445,16 @@ def _wire_error(request_id: str, error: Exception) -> WireError:
         return WireError.of(error)
     logger.exception("request %s could not be started", request_id, exc_info=error)
     return WireError(code=ErrorCode.ENGINE_ERROR, message=f"the worker could not start the request: {error}")
+
+
+def _int_or_zero(value: str | None) -> int:
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0
+
+
+def _next_stream_id(entry_id: str) -> str:
+    """The smallest stream id after entry_id ("ms-seq")."""
+    ms, _, seq = entry_id.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"

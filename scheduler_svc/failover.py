@@ -87,7 +87,7 @@ class Failover:
             for request in requeue:
                 tx.xadd(keys.requests, {"data": encode(request)})
             for wid in dead:
-                tx.delete(keys.inbox(wid), keys.assigned(wid))
+                tx.delete(keys.inbox(wid), keys.assigned(wid), keys.reserved(wid))
                 tx.srem(keys.workers, wid)
             tx.execute()
         for request in requeue:

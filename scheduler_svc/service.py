@@ -15,11 +15,12 @@ from pydantic import ValidationError
 from scheduler_svc.admission import Admit, Decision, Reject, never_fits, plan_admissions
 from scheduler_svc.failover import Failover
 from scheduler_svc.queue import QueuedRequest, WaitingQueue
+from scheduler_svc.reserve import Reserver
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.workers import WorkerView
 from shared.backoff import Backoff
 from shared.keys import SCHEDULER_GROUP
-from shared.protocol import Assignment, GenerateRequest, SchedulerStats, WireError, decode, encode
+from shared.protocol import Assignment, GenerateRequest, SchedulerStats, WireError, decode
 from shared.records import error_events, push_event
 from shared.redis_client import NamedPipeline, connect
 
@@ -50,6 +51,9 @@ class SchedulerService:
         self.queue = WaitingQueue()
         self.view = WorkerView(self.client, self.keys)
         self.failover = Failover(self.client, self.keys, owner=self.consumer)
+        self.reserver = Reserver(
+            self.client, self.keys, settings.watermark_blocks, settings.max_running_per_worker
+        )
         self._fresh: list[QueuedRequest] = []  # read this step: checked at once against every worker
         self._needs_resync = True
         self._stopping = False
@@ -93,7 +97,7 @@ class SchedulerService:
         self._publish_stats()
 
     def _resync(self) -> None:
-        """Rebuild from Redis: the group, our own pending entries and (at the next refresh) reservations."""
+        """Rebuild from Redis: the group and our own pending entries."""
         try:
             self.client.xgroup_create(self.keys.requests, SCHEDULER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -101,7 +105,6 @@ class SchedulerService:
                 raise
         self.queue.clear()
         self._fresh.clear()
-        self.view.reservations.clear()
         last_id = "0"
         while entries := self._read(last_id, None):
             last_id = entries[-1][0]
@@ -176,7 +179,8 @@ class SchedulerService:
             self._commit(decisions)
 
     def _commit(self, decisions: list[Decision]) -> None:
-        """Hand admitted requests on and answer rejected ones; their entries are acked in the same MULTI."""
+        """Hand admitted requests on (the admit script reserves, queues and acknowledges each atomically) and
+        answer rejected ones, in one round trip."""
         keys = self.keys
         admits = [d for d in decisions if isinstance(d, Admit)]
         rejects = [d for d in decisions if isinstance(d, Reject)]
@@ -187,36 +191,40 @@ class SchedulerService:
                 flags.named(admit.entry.entry_id).exists(keys.abort_flag(admit.entry.request.request_id))
             aborted = {str(entry_id) for entry_id, flag in flags.execute().items() if flag}
         sent = [a for a in admits if a.entry.entry_id not in aborted]
-        tx = NamedPipeline(self.client, transaction=True)
+        pipe = NamedPipeline(self.client)
         for admit in sent:
-            request = admit.entry.request
             assignment = Assignment(
-                worker_id=admit.worker_id, request=request, reserved_blocks=admit.reserved_blocks
+                worker_id=admit.worker_id, request=admit.entry.request, reserved_blocks=admit.reserved_blocks
             )
-            tx.named(admit.entry.entry_id).xadd(keys.inbox(admit.worker_id), {"data": encode(assignment)})
-            tx.pipe.hset(keys.assigned(admit.worker_id), request.request_id, encode(request))
+            self.reserver.admit(pipe.named(admit.entry.entry_id), assignment, admit.entry.entry_id)
         for reject in rejects:
             for event in error_events(reject.entry.request, WireError.of(reject.error), "scheduler"):
-                push_event(tx.pipe, keys, event, self.settings.request_ttl_s)
-        entry_ids = [d.entry.entry_id for d in decisions]
-        self._ack(tx.pipe, entry_ids)
-        inbox_entry_ids = tx.execute()
-        for admit in sent:
-            self.view.record_assignment(
-                admit.worker_id, inbox_entry_ids[admit.entry.entry_id], admit.reserved_blocks
-            )
+                push_event(pipe.pipe, keys, event, self.settings.request_ttl_s)
+        handled = [d.entry.entry_id for d in decisions if not isinstance(d, Admit)] + sorted(aborted)
+        if handled:
+            self._ack(pipe.pipe, handled)
+        inbox_entry_ids = pipe.execute()
+        taken = [a for a in sent if inbox_entry_ids[a.entry.entry_id] is not None]
+        for admit in taken:
+            self.view.record_assignment(admit.worker_id, admit.reserved_blocks)
             log.debug(
                 "assigned %s to %s (%d blocks)",
                 admit.entry.request.request_id,
                 admit.worker_id,
                 admit.reserved_blocks,
             )
+        for admit in sent:
+            if inbox_entry_ids[admit.entry.entry_id] is None:
+                # Another scheduler took the blocks first: it waits for the next round.
+                log.debug(
+                    "worker %s had no room left for %s", admit.worker_id, admit.entry.request.request_id
+                )
         for admit in admits:
             if admit.entry.entry_id in aborted:
                 log.info("dropped aborted request %s", admit.entry.request.request_id)
         for reject in rejects:
             log.info("rejected request %s: %s", reject.entry.request.request_id, reject.error)
-        self.queue.remove(entry_ids)
+        self.queue.remove(handled + [a.entry.entry_id for a in taken])
 
     def _ack(self, pipe: redis.client.Pipeline, entry_ids: list[str]) -> redis.client.Pipeline:
         """Acknowledge and delete handled entries (deleting keeps the stream short; none is read again)."""

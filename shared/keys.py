@@ -10,6 +10,7 @@ test runs can share one Redis. `rid` is a request id, `wid` a worker id, `i` a s
 | {p}:worker:{wid}             | hash             | worker (heartbeat)    | scheduler, gateway   | HEARTBEAT_TTL |
 | {p}:worker:{wid}:inbox       | stream           | scheduler             | worker (group)       | gone if dead  |
 | {p}:worker:{wid}:assigned    | hash rid→json    | scheduler; worker del | scheduler (failover) | gone if dead  |
+| {p}:worker:{wid}:reserved    | int (blocks)     | scheduler +, worker - | scheduler            | gone if dead  |
 | {p}:aborts                   | pub/sub          | gateway               | workers              | -             |
 | {p}:request:{rid}:abort      | string           | gateway               | scheduler, worker    | REQUEST_TTL   |
 | {p}:request:{rid}:meta       | string (json)    | gateway               | gateway              | REQUEST_TTL   |
@@ -56,6 +57,9 @@ class Keys:
 
     def assigned(self, wid: str) -> str:
         return f"{self.prefix}:worker:{wid}:assigned"
+
+    def reserved(self, wid: str) -> str:
+        return f"{self.prefix}:worker:{wid}:reserved"
 
     @property
     def aborts(self) -> str:

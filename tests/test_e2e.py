@@ -399,14 +399,11 @@ def test_redis_memory_stays_bounded(cluster: Cluster) -> None:
     assert after == before
     keys = cluster.keys
     live = cluster.worker_ids()
-    assert after <= {
-        keys.requests,
-        keys.workers,
-        *(keys.inbox(w) for w in live),
-        *(keys.assigned(w) for w in live),
-    }
+    per_worker = [key for w in live for key in (keys.inbox(w), keys.assigned(w), keys.reserved(w))]
+    assert after <= {keys.requests, keys.workers, *per_worker}  # none of them per request
     assert cluster.redis.xlen(keys.requests) == 0
     assert all(cluster.redis.xlen(keys.inbox(w)) == 0 for w in live)
+    assert all(int(cluster.redis.get(keys.reserved(w)) or 0) == 0 for w in live)  # every promise kept
 
 
 @pytest.mark.parametrize(

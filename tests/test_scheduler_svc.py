@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,6 +153,23 @@ def test_head_of_line_is_not_skipped(
     assert [e.request.request_id for e in svc.queue] == ["small"]
 
 
+def take_in(
+    client: redis.Redis, keys: Keys, wid: str, count: int, free: int, total: int = 10, waiting_blocks: int = 0
+) -> None:
+    """What a worker's heartbeat says after it takes in the first count entries of its inbox: their blocks
+    leave the reservation counter as they enter its free and waiting blocks; the entries leave the inbox."""
+    entries = inbox(client, keys, wid)[:count]
+    last = entries[-1][0]
+    client.decrby(keys.reserved(wid), sum(a.reserved_blocks for _, a in entries))
+    heartbeat(client, keys, wid, free=free, total=total, inbox_last_id=last, waiting_blocks=waiting_blocks)
+    ms, seq = last.split("-")
+    client.xtrim(keys.inbox(wid), minid=f"{ms}-{int(seq) + 1}", approximate=False)
+
+
+def reserved(client: redis.Redis, keys: Keys, wid: str) -> int:
+    return int(client.get(keys.reserved(wid)) or 0)
+
+
 def test_admission_counts_reservations_waiting_blocks_and_watermark(
     redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
 ) -> None:
@@ -163,24 +181,24 @@ def test_admission_counts_reservations_waiting_blocks_and_watermark(
     entries = inbox(client, keys, "w1")
     assert [a.request.request_id for _, a in entries] == ["a", "b"]
     assert [a.reserved_blocks for _, a in entries] == [3, 3]
-    assert svc.view.reservations.reserved("w1") == 6
+    assert reserved(client, keys, "w1") == 6
     svc.step()  # same heartbeat: both still reserved, so c still waits
     assert inbox_rids(client, keys, "w1") == ["a", "b"] and len(svc.queue) == 1
 
     # The worker took in "a" only: "b" stays reserved on top of what free_blocks says.
-    heartbeat(client, keys, "w1", free=7, total=10, inbox_last_id=entries[0][0])
+    take_in(client, keys, "w1", 1, free=7)
     svc.step()
-    assert svc.view.reservations.reserved("w1") == 3 and len(svc.queue) == 1
+    assert reserved(client, keys, "w1") == 3 and len(svc.queue) == 1
     # Both taken in but still queued inside the worker: waiting_blocks keeps them counted.
-    heartbeat(client, keys, "w1", free=10, total=10, inbox_last_id=entries[1][0], waiting_blocks=6)
+    take_in(client, keys, "w1", 1, free=10, waiting_blocks=6)
     svc.step()
-    assert svc.view.reservations.reserved("w1") == 0 and len(svc.queue) == 1
-    heartbeat(client, keys, "w1", free=10, total=10, inbox_last_id=entries[1][0], waiting_blocks=5)
+    assert reserved(client, keys, "w1") == 0 and len(svc.queue) == 1
+    heartbeat(client, keys, "w1", free=10, total=10, waiting_blocks=5)
     svc.step()
-    assert inbox_rids(client, keys, "w1") == ["a", "b", "c"] and len(svc.queue) == 0
+    assert inbox_rids(client, keys, "w1") == ["c"] and len(svc.queue) == 0
 
 
-def test_reservations_rebuilt_from_inbox_after_restart(
+def test_reservations_outlive_a_scheduler_restart(
     redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
 ) -> None:
     heartbeat(client, keys, "w1", free=10, total=10)
@@ -188,11 +206,49 @@ def test_reservations_rebuilt_from_inbox_after_restart(
     submit(client, keys, make_request("a", num_blocks=3))
     submit(client, keys, make_request("b", num_blocks=2))
     svc.step()
-    first_id = inbox(client, keys, "w1")[0][0]
-    heartbeat(client, keys, "w1", free=7, total=10, inbox_last_id=first_id)
+    take_in(client, keys, "w1", 1, free=7)
     restarted = make_service(redis_url, redis_prefix, consumer="sched-b")
     restarted.step()
-    assert restarted.view.reservations.reserved("w1") == 2
+    assert restarted.view.live["w1"].reserved_blocks == 2
+
+
+def test_two_schedulers_never_promise_a_workers_blocks_twice(
+    redis_url: str, redis_prefix: str, client: redis.Redis, keys: Keys
+) -> None:
+    """Two schedulers in one consumer group admit at once against workers that take nothing in, so that
+    every admission stays reserved: no worker is promised more than it has, no request goes out twice."""
+    capacity = {"w1": 23, "w2": 14, "w3": 9}
+    for wid, free in capacity.items():
+        heartbeat(client, keys, wid, free=free, total=free)
+    schedulers = [make_service(redis_url, redis_prefix, consumer=name) for name in ("sched-a", "sched-b")]
+    sizes = [1 + i % 3 for i in range(120)]
+    stop = threading.Event()
+
+    def run(svc: SchedulerService) -> None:
+        while not stop.is_set():
+            svc.step(block_ms=5)
+
+    threads = [threading.Thread(target=run, args=(svc,)) for svc in schedulers]
+    for t in threads:
+        t.start()
+    try:
+        for i, size in enumerate(sizes):
+            submit(client, keys, make_request(f"r{i}", num_blocks=size))
+        time.sleep(1.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    admitted: list[str] = []
+    for wid, free in capacity.items():
+        entries = inbox(client, keys, wid)
+        blocks = sum(a.reserved_blocks for _, a in entries)
+        assert blocks == reserved(client, keys, wid) <= free - 2, wid  # the watermark
+        admitted += [a.request.request_id for _, a in entries]
+    assert len(admitted) == len(set(admitted))
+    assert sum(capacity.values()) - 2 * len(capacity) - 3 < sum(int(r[1:]) % 3 + 1 for r in admitted)
+    queued = {e.request.request_id for svc in schedulers for e in svc.queue}
+    assert len(queued & set(admitted)) == 0 and len(queued) + len(admitted) == len(sizes)
 
 
 def test_least_loaded_routing_spreads_requests(
