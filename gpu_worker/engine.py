@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -17,7 +18,7 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampler import Sampler, SamplerOutput
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.sequence import Sequence
-from gpu_worker.step_scheduler import StepScheduler
+from gpu_worker.step_scheduler import StepSchedule, StepScheduler
 from shared.errors import ErrorCode, RequestRejected
 
 
@@ -62,6 +63,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return resolved
 
 
+class StepRunner(Protocol):
+    """Runs one step's forward pass: logits `[len(sample_rows), vocab_size]` for the rows that sample."""
+
+    def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor: ...
+
+
 class LLMEngine:
     """The model, the KV pool and the step scheduler of one worker; callers add requests and call step()."""
 
@@ -73,7 +80,7 @@ class LLMEngine:
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
     ) -> None:
-        self.config = config or EngineConfig()
+        config = config or EngineConfig()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.tokenizer = load_model(model, self.dtype, self.device)
@@ -82,24 +89,43 @@ class LLMEngine:
         mc = self.model.config
         num_kv_heads = mc.num_key_value_heads
         head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        bs = self.config.block_size
+        bs = config.block_size
         block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, bs, num_kv_heads, head_size, self.dtype)
-        num_blocks = KVCache.num_blocks_for(self.config, block_bytes, self.device)
+        num_blocks = KVCache.num_blocks_for(config, block_bytes, self.device)
         self.kv_cache = KVCache(
             mc.num_hidden_layers, num_blocks, bs, num_kv_heads, head_size, self.dtype, self.device
         )
-        self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
-        self.step_scheduler = StepScheduler(self.config, self.allocator)
-        self.runner = ModelRunner(self.model, self.kv_cache)
-        self.sampler = Sampler(self._eos_token_ids())
-        self.max_model_len = min(
-            self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        self._setup(
+            config,
+            num_blocks,
+            ModelRunner(self.model, self.kv_cache),
+            Sampler(self._eos_token_ids()),
+            max_model_len=min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings),
+            vocab_size=mc.vocab_size,
         )
-        self.vocab_size: int = mc.vocab_size
+
+    def _setup(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        runner: StepRunner,
+        sampler: Sampler,
+        *,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        """What every engine holds, whatever runs its steps (a model, or a step-time model in simulation)."""
+        self.config = config
+        self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.step_scheduler = StepScheduler(config, self.allocator)
+        self.runner = runner
+        self.sampler = sampler
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
-        self._rng = random.Random(self.config.seed)
+        self._rng = random.Random(config.seed)
 
     def _eos_token_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id

@@ -115,12 +115,16 @@ class WorkerService:
                 logger.debug("keep-alive failed: %s", e)
 
     def run(self) -> None:
-        """Serve until SIGTERM/SIGINT; then drop the heartbeat so the scheduler re-queues our requests.
+        """Serve until SIGTERM/SIGINT (run from the main thread)."""
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self.serve()
+
+    def serve(self) -> None:
+        """Serve until stop(); then drop the heartbeat so the scheduler re-queues our requests.
 
         Redis going away never ends the process: the loop waits (with backoff) and registers again.
         """
-        signal.signal(signal.SIGTERM, self._stop)
-        signal.signal(signal.SIGINT, self._stop)
         keeper = threading.Thread(target=self.keep_alive, name="keep-alive", daemon=True)
         keeper.start()
         try:
@@ -139,6 +143,10 @@ class WorkerService:
                 self.redis.delete(self.keys.worker(self.worker_id))
             self.aborts.close()
 
+    def stop(self) -> None:
+        self.stopping = True
+        self._stopped.set()
+
     def _wait_for_redis(self, error: redis.RedisError) -> None:
         if self._backoff.failures == 0:
             logger.warning(
@@ -147,9 +155,8 @@ class WorkerService:
         self.registered = False
         self._stopped.wait(self._backoff.next_delay())
 
-    def _stop(self, signum: int, frame: Any) -> None:
-        self.stopping = True
-        self._stopped.set()
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stop()
 
     def run_once(self) -> None:
         """Take new work and aborts, run one engine step, publish its tokens; heartbeat when due.
