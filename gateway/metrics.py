@@ -20,9 +20,10 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from shared.protocol import QUEUE_TIME_BUCKETS_S
 from shared.registry import WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,17 @@ class ClusterCollector:
             "pagedserve:num_live_workers", "Workers with a live heartbeat.", labels=LABELS
         )
         live.add_metric([self._model_name], len(beats))
-        yield from (running, waiting, usage, prompt, generation, queued, live)
+        queue_time = HistogramMetricFamily(
+            "vllm:request_queue_time_seconds",
+            "Time from a request's entry in the requests stream to its worker's inbox (by Redis's clock).",
+            labels=LABELS,
+        )
+        if stats is not None:
+            bounds = [*(str(b) for b in QUEUE_TIME_BUCKETS_S), "+Inf"]
+            queue_time.add_metric(
+                [self._model_name], list(zip(bounds, stats.queue_time_buckets)), stats.queue_time_sum_s
+            )
+        yield from (running, waiting, usage, prompt, generation, queued, live, queue_time)
 
 
 def render(registry: WorkerRegistry, model_name: str) -> tuple[bytes, str]:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
-from shared.protocol import GenerateRequest
+from shared.protocol import QUEUE_TIME_BUCKETS_S, GenerateRequest
 
 StreamId = tuple[int, int]
+
+
+def stream_ms(entry_id: str) -> int:
+    """When Redis added a stream entry (its id's milliseconds, by the server's clock)."""
+    return int(entry_id.partition("-")[0])
 
 
 def parse_stream_id(entry_id: str) -> StreamId:
@@ -71,3 +76,20 @@ class WaitingQueue:
     def clear(self) -> None:
         self._entries.clear()
         self._entry_ids.clear()
+
+
+class QueueTimes:
+    """Histogram of the waits from the requests stream to a worker's inbox (QUEUE_TIME_BUCKETS_S)."""
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(QUEUE_TIME_BUCKETS_S) + 1)  # cumulative; the last counts everything
+        self.sum_s = 0.0
+
+    @property
+    def count(self) -> int:
+        return self.buckets[-1]
+
+    def observe(self, seconds: float) -> None:
+        self.sum_s += seconds
+        for i in range(bisect_left(QUEUE_TIME_BUCKETS_S, seconds), len(self.buckets)):
+            self.buckets[i] += 1

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from scheduler_svc.admission import Admit, Decision, Reject, never_fits, plan_admissions
 from scheduler_svc.failover import Failover
-from scheduler_svc.queue import QueuedRequest, WaitingQueue
+from scheduler_svc.queue import QueuedRequest, QueueTimes, WaitingQueue, stream_ms
 from scheduler_svc.reserve import Reserver
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.workers import WorkerView
@@ -58,7 +58,8 @@ class SchedulerService:
         self._needs_resync = True
         self._stopping = False
         self._next_claim = 0.0
-        self._last_stats: tuple[int, int] | None = None
+        self._last_stats: tuple[int, int, int] | None = None
+        self.queue_times = QueueTimes()
         self._stats_at = 0.0
 
     def stop(self) -> None:
@@ -207,6 +208,8 @@ class SchedulerService:
         taken = [a for a in sent if inbox_entry_ids[a.entry.entry_id] is not None]
         for admit in taken:
             self.view.record_assignment(admit.worker_id, admit.reserved_blocks)
+            waited_ms = stream_ms(inbox_entry_ids[admit.entry.entry_id]) - stream_ms(admit.entry.entry_id)
+            self.queue_times.observe(max(0, waited_ms) / 1000)
             log.debug(
                 "assigned %s to %s (%d blocks)",
                 admit.entry.request.request_id,
@@ -234,11 +237,18 @@ class SchedulerService:
 
     def _publish_stats(self) -> None:
         """Write the stats hash when they change, and at least every STATS_INTERVAL_S (one round trip)."""
-        current = (len(self.queue), self.view.num_assigned)
+        current = (len(self.queue), self.view.num_assigned, self.queue_times.count)
         now = time.monotonic()
         if current == self._last_stats and now - self._stats_at < STATS_INTERVAL_S:
             return
-        stats = SchedulerStats(num_waiting=current[0], num_assigned=current[1], updated_at=time.time())
+        stats = SchedulerStats(
+            num_waiting=current[0],
+            num_assigned=current[1],
+            updated_at=time.time(),
+            num_admitted=self.queue_times.count,
+            queue_time_buckets=list(self.queue_times.buckets),
+            queue_time_sum_s=self.queue_times.sum_s,
+        )
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(self.keys.scheduler_stats, mapping=cast(dict[Any, Any], stats.to_hash()))
         pipe.pexpire(self.keys.scheduler_stats, round(self.settings.heartbeat_ttl_s * 1000))

@@ -163,12 +163,40 @@ class AbortMessage(WireModel):
     reason: str = "abort"
 
 
+# Upper bounds (seconds) of the buckets of the scheduler's queue-time histogram.
+QUEUE_TIME_BUCKETS_S = (
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
 class SchedulerStats(WireModel):
-    """The scheduler's queue, for the gateway's back-pressure and metrics."""
+    """The scheduler's queue, for the gateway's back-pressure and metrics.
+
+    Queue time is a request's wait from its entry in the requests stream to its worker's inbox, both by the
+    Redis server's clock: a histogram since the scheduler started (cumulative counts per QUEUE_TIME_BUCKETS_S
+    bound, then the count above the last).
+    """
 
     num_waiting: int
     num_assigned: int
     updated_at: float
+    num_admitted: int = 0
+    queue_time_buckets: list[int] = Field(default_factory=lambda: [0] * (len(QUEUE_TIME_BUCKETS_S) + 1))
+    queue_time_sum_s: float = 0.0
 
     def to_hash(self) -> dict[str, str]:
         return _to_hash(self)

@@ -633,6 +633,12 @@ def test_openapi_describes_every_route(client) -> None:
 
 def test_metrics_use_vllm_names(client, r, keys) -> None:
     add_worker(r, keys, "w0", free=30, total=40)
+    buckets = [0, 1, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 4]  # 1, 2, 3 ms and one of 20 s
+    stats = SchedulerStats(
+        num_waiting=0, num_assigned=0, updated_at=time.time(), num_admitted=4, queue_time_buckets=buckets,
+        queue_time_sum_s=20.006,
+    )  # fmt: skip
+    r.hset(keys.scheduler_stats, mapping=stats.to_hash())  # type: ignore[arg-type]
     text = client.get("/metrics").get_data(as_text=True)
     for name in (
         "vllm:num_requests_running",
@@ -647,6 +653,8 @@ def test_metrics_use_vllm_names(client, r, keys) -> None:
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
     assert 'vllm:kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct",worker="w0"} 0.25' in text
     assert 'vllm:generation_tokens_total{model_name="SmolLM2-135M-Instruct",worker="w0"} 45.0' in text
+    queue_time = 'vllm:request_queue_time_seconds_bucket{le="%s",model_name="SmolLM2-135M-Instruct"} %s'
+    assert queue_time % ("0.002", "1.0") in text and queue_time % ("+Inf", "4.0") in text
 
 
 # -- whole requests, with a thread playing the worker -------------------------------------------------------

@@ -472,10 +472,14 @@ def test_stats_hash(redis_url: str, redis_prefix: str, client: redis.Redis, keys
     stats = SchedulerStats.from_hash(client.hgetall(keys.scheduler_stats))  # type: ignore[arg-type]
     assert (stats.num_waiting, stats.num_assigned) == (2, 0)
     assert 0 < client.pttl(keys.scheduler_stats) <= 5000
+    time.sleep(0.02)  # the queue time to come: over 10 ms
     heartbeat(client, keys, "w1")
     svc.step()
     stats = SchedulerStats.from_hash(client.hgetall(keys.scheduler_stats))  # type: ignore[arg-type]
     assert (stats.num_waiting, stats.num_assigned) == (0, 2)
+    # Both waited (from their entry to their inbox entry) at least as long as no worker was there.
+    assert stats.num_admitted == 2 and stats.queue_time_buckets[-1] == 2 and stats.queue_time_buckets[5] == 0
+    assert stats.queue_time_sum_s > 0
 
 
 def _room(wid: str, available: int, capacity: int = 64) -> WorkerRoom:

@@ -1,0 +1,339 @@
+"""The control plane at scale, with simulated workers: the scheduler's admission rate and latency, one gateway
+holding many streams, and a process of workers killed under load.
+
+    .venv/bin/python benchmarks/control_plane.py                 # the full run: 100 workers, 1,000 streams
+    .venv/bin/python benchmarks/control_plane.py --workers 10 --requests 500 --rates 200 --streams 50  # a look
+
+Every process is real: redis (REDIS_URL, under a prefix of the run's own, deleted at the end), the scheduler
+and the gateway (gunicorn, default settings), and simulated workers (gpu_worker.simulation: the real worker
+service around a step-time model), several per process. Scenarios:
+
+- admission: --requests requests go into the requests stream at once; the scheduler admits them across
+  --workers simulated workers. Admission rate: requests / (last inbox entry - first enqueue). Per request, the
+  time from its enqueue to its inbox entry, both stream ids (the Redis server's clock). The workers heartbeat
+  rarely and have blocks for all, so their inboxes keep every entry: read after the run, every request must be
+  there exactly once (0 lost, 0 duplicated).
+- paced: the same at fixed offered rates (--rates, requests/s, --paced-s each): achieved rate and latency.
+- streams: --streams concurrent streaming completions through the gateway, fed by --stream-workers simulated
+  workers in two processes (a step takes --step-ms); each request is also read straight from its Redis
+  channel. Inter-token latency (ITL) both ways: what the gateway adds is the difference. Midway, kill -9 of one
+  of the two worker processes: every stream must still end with all its tokens, and none with an error.
+
+Prints a table; writes JSON and a PNG plot (latency distributions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import redis.asyncio as aioredis
+from services import delete_keys
+from workloads import percentile
+
+from shared.keys import Keys
+from shared.protocol import Assignment, GenerateRequest, SamplingSpec, TokenEvent, decode, encode
+from shared.redis_client import connect
+from shared.registry import WorkerRegistry
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = {"admissions_per_s": 5000.0, "admission_p99_ms": 5.0, "itl_p99_added_ms": 5.0}
+PROMPT_LEN = 8
+
+
+class Processes:
+    """The run's processes, each logging to a file of its own; stopped (TERM, then KILL) at the end."""
+
+    def __init__(self, env: dict[str, str], logs: Path) -> None:
+        self.env, self.logs, self.procs = env, logs, dict[str, subprocess.Popen[bytes]]()
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, *args: str, **env: str) -> subprocess.Popen[bytes]:
+        with (self.logs / f"{name}.log").open("ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", *args], env={**self.env, **env}, cwd=ROOT, stdout=log, stderr=log
+            )
+        self.procs[name] = proc
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_for(what: str, predicate: Any, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def stream_ms(entry_id: str) -> int:
+    return int(entry_id.split("-")[0])
+
+
+def request(rid: str, max_tokens: int) -> GenerateRequest:
+    prompt = [random.randrange(1, 4000) for _ in range(PROMPT_LEN)]
+    spec = SamplingSpec(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=spec, arrival_time=time.time())
+
+
+# -- admission ------------------------------------------------------------------------------------------------
+
+
+def enqueue(client: redis.Redis, keys: Keys, rids: list[str]) -> dict[str, str]:
+    """Send the requests (one pipeline), returning each one's requests-stream entry id."""
+    pipe = client.pipeline(transaction=False)
+    for rid in rids:
+        pipe.xadd(keys.requests, {"data": encode(request(rid, 1))})
+    return dict(zip(rids, pipe.execute()))
+
+
+def inbox_entries(client: redis.Redis, keys: Keys) -> dict[str, list[str]]:
+    """Every request id in every worker's inbox, with the ids of its entries."""
+    found: dict[str, list[str]] = {}
+    for wid in WorkerRegistry(client, keys).worker_ids():
+        for entry_id, fields in client.xrange(keys.inbox(wid)):  # type: ignore[union-attr]
+            rid = decode(Assignment, fields["data"]).request.request_id
+            found.setdefault(rid, []).append(entry_id)
+    return found
+
+
+def admission_figures(sent: dict[str, str], found: dict[str, list[str]]) -> dict[str, Any]:
+    admitted = [rid for rid in sent if rid in found]
+    latencies = [stream_ms(found[rid][0]) - stream_ms(sent[rid]) for rid in admitted]
+    first = min(stream_ms(e) for e in sent.values())
+    last = max((stream_ms(found[rid][0]) for rid in admitted), default=first)
+    return {
+        "requests": len(sent),
+        "lost": len(sent) - len(admitted),
+        "duplicated": sum(len(found[rid]) - 1 for rid in admitted),
+        "admissions_per_s": len(admitted) / max((last - first) / 1000, 1e-3),
+        "latency_ms": {q: percentile(latencies, q) for q in (50, 90, 99)} if latencies else {},
+        "latencies_ms": latencies,
+    }
+
+
+def run_admission(client: redis.Redis, keys: Keys, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    rids = [f"burst-{i}" for i in range(args.requests)]
+    sent = enqueue(client, keys, rids)
+    wait_for("the burst's admission", lambda: len(inbox_entries(client, keys)) >= len(rids), timeout=300)
+    rows.append({"scenario": "burst", **admission_figures(sent, inbox_entries(client, keys))})
+    for rate in args.rates:
+        rids = [f"paced-{rate}-{i}" for i in range(int(rate * args.paced_s))]
+        sent, start = {}, time.monotonic()
+        for i in range(0, len(rids), max(1, int(rate / 100))):  # batches every 10 ms or so
+            batch = rids[i : i + max(1, int(rate / 100))]
+            time.sleep(max(0.0, start + i / rate - time.monotonic()))
+            sent.update(enqueue(client, keys, batch))
+        wait_for(f"{rate}/s admission", lambda: set(rids) <= set(inbox_entries(client, keys)), timeout=300)
+        found = inbox_entries(client, keys)
+        rows.append({"scenario": f"paced {rate:g}/s", **admission_figures(sent, found)})
+    return rows
+
+
+# -- streams --------------------------------------------------------------------------------------------------
+
+
+async def read_channels(url: str, keys: Keys, arrivals: dict[str, list[float]], stop: asyncio.Event) -> None:
+    """Every token event of the run, straight from Redis (one pattern subscription): arrival times."""
+    client = aioredis.from_url(url, decode_responses=True)
+    pubsub = client.pubsub()
+    await pubsub.psubscribe(keys.events("*"))
+    while not stop.is_set():
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+        if message is not None:
+            event = decode(TokenEvent, message["data"])
+            arrivals.setdefault(event.request_id, []).extend([time.monotonic()] * len(event.token_ids))
+    await pubsub.aclose()
+    await client.aclose()
+
+
+async def stream_one(http: httpx.AsyncClient, url: str, max_tokens: int, out: dict[str, Any]) -> None:
+    body = {"prompt": [random.randrange(1, 4000) for _ in range(PROMPT_LEN)], "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True, "temperature": 0}  # fmt: skip
+    times: list[float] = []
+    try:
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("id: "):
+                    out.setdefault("rid", line[4:].split(":")[0])
+                elif line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        out["error"] = chunk["error"]["code"]
+                    elif chunk["choices"] and chunk["choices"][0]["text"]:
+                        times.append(time.monotonic())
+    except httpx.HTTPError as e:
+        out["error"] = type(e).__name__
+    out["times"] = times
+
+
+def itls(times: list[float]) -> list[float]:
+    return [1000 * (b - a) for a, b in zip(times, times[1:])]
+
+
+async def run_streams(url: str, redis_url: str, keys: Keys, args: argparse.Namespace, kill: Any) -> dict[str, Any]:
+    arrivals: dict[str, list[float]] = {}
+    stop = asyncio.Event()
+    reader = asyncio.create_task(read_channels(redis_url, keys, arrivals, stop))
+    await asyncio.sleep(0.5)
+    limits = httpx.Limits(max_connections=args.streams + 10, max_keepalive_connections=0)
+    results: list[dict[str, Any]] = [{} for _ in range(args.streams)]
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        tasks = [asyncio.create_task(stream_one(http, url, args.stream_tokens, r)) for r in results]
+        await asyncio.sleep(args.kill_after_s)
+        killed_at = time.monotonic()
+        kill()
+        await asyncio.gather(*tasks)
+    stop.set()
+    await reader
+    gateway = [x for r in results for x in itls(r["times"])]
+    direct = [x for r in results if "rid" in r for x in itls(arrivals.get(r["rid"], []))]
+    return {
+        "streams": args.streams,
+        "errors": sum(1 for r in results if "error" in r),
+        "incomplete": sum(1 for r in results if "error" not in r and len(r["times"]) < args.stream_tokens),
+        "killed_after_s": round(killed_at - min(t for r in results for t in r["times"][:1]), 2),
+        "itl_gateway_ms": {q: percentile(gateway, q) for q in (50, 99)},
+        "itl_direct_ms": {q: percentile(direct, q) for q in (50, 99)},
+        "itl_p99_added_ms": percentile(gateway, 99) - percentile(direct, 99),
+        "gateway_itls_ms": gateway,
+        "direct_itls_ms": direct,
+    }
+
+
+# -- the run --------------------------------------------------------------------------------------------------
+
+
+def print_table(admission: list[dict[str, Any]], streams: dict[str, Any]) -> None:
+    print("| scenario | requests | admitted/s | enqueue to inbox p50 / p99 ms | lost | duplicated |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in admission:
+        lat = row["latency_ms"]
+        print(f"| {row['scenario']} | {row['requests']} | {row['admissions_per_s']:.0f} | "
+              f"{lat.get(50, 0):.0f} / {lat.get(99, 0):.0f} | {row['lost']} | {row['duplicated']} |")  # fmt: skip
+    g, d = streams["itl_gateway_ms"], streams["itl_direct_ms"]
+    print(f"\n{streams['streams']} streams through one gateway, one of two worker processes killed after "
+          f"{streams['killed_after_s']} s: {streams['errors']} errors, {streams['incomplete']} incomplete; "
+          f"ITL p50/p99 {g[50]:.1f}/{g[99]:.1f} ms at the client, {d[50]:.1f}/{d[99]:.1f} ms on the Redis channel "
+          f"(p99 added: {streams['itl_p99_added_ms']:+.1f} ms)")  # fmt: skip
+
+
+def plot(admission: list[dict[str, Any]], streams: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for row in admission:
+        values = sorted(row["latencies_ms"])
+        left.plot(values, [i / len(values) for i in range(len(values))], label=row["scenario"])
+    left.set(xscale="symlog", xlabel="enqueue to inbox (ms)", ylabel="fraction of requests", title="admission")
+    left.legend()
+    for name, key in (("client (gateway)", "gateway_itls_ms"), ("Redis channel", "direct_itls_ms")):
+        values = sorted(streams[key])
+        right.plot(values, [i / len(values) for i in range(len(values))], label=name)
+    right.set(xlabel="inter-token latency (ms)", title=f"{streams['streams']} streams")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=100, help="simulated workers for the admission runs")
+    parser.add_argument("--requests", type=int, default=20000, help="requests in the burst")
+    parser.add_argument("--rates", type=float, nargs="*", default=[1000, 2500, 5000], help="offered rates")
+    parser.add_argument("--paced-s", type=float, default=4.0, help="seconds of each paced run")
+    parser.add_argument("--streams", type=int, default=1000, help="concurrent streams through the gateway")
+    parser.add_argument("--stream-workers", type=int, default=40, help="simulated workers feeding them")
+    parser.add_argument("--stream-tokens", type=int, default=40, help="tokens per stream")
+    parser.add_argument("--step-ms", type=float, default=200.0, help="a simulated step, in the streams run")
+    parser.add_argument("--kill-after-s", type=float, default=4.0, help="when a worker process is killed")
+    parser.add_argument("--json", default="benchmarks/results/control_plane.json")
+    parser.add_argument("--plot", default="benchmarks/results/control_plane.png")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    random.seed(0)
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    base = {**os.environ, "REDIS_URL": redis_url, "LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+
+    # Admission: workers that heartbeat rarely keep every inbox entry for the count at the end.
+    keys = Keys(f"pagedserve-cp-{uuid.uuid4().hex[:8]}")
+    client = connect(redis_url)
+    procs = Processes({**base, "REDIS_PREFIX": keys.prefix}, out.parent / "control_plane_logs")
+    try:
+        procs.start("scheduler", "scheduler_svc")
+        slow_beats = {"HEARTBEAT_INTERVAL_S": "60", "HEARTBEAT_TTL_S": "600", "NUM_KV_BLOCKS": "2048"}
+        procs.start("workers", "gpu_worker.simulation", "--workers", str(args.workers), "--step-ms", "1",
+                    "--per-token-us", "0", **slow_beats)  # fmt: skip
+        wait_for("the workers", lambda: len(WorkerRegistry(client, keys).live_worker_ids()) >= args.workers)
+        admission = run_admission(client, keys, args)
+    finally:
+        procs.stop()
+        delete_keys(redis_url, keys)
+
+    # Streams: the gateway with its defaults, workers in two processes, one killed midway.
+    keys = Keys(f"pagedserve-cp-{uuid.uuid4().hex[:8]}")
+    port = 20000 + random.randrange(20000)
+    env = {**base, "REDIS_PREFIX": keys.prefix, "PORT": str(port), "HEARTBEAT_TTL_S": "2",
+           "HEARTBEAT_INTERVAL_S": "0.5", "NUM_KV_BLOCKS": "4096"}  # fmt: skip
+    procs = Processes(env, out.parent / "control_plane_logs")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        procs.start("scheduler-2", "scheduler_svc")
+        half = max(1, args.stream_workers // 2)
+        for name in ("kept", "doomed"):
+            procs.start(name, "gpu_worker.simulation", "--workers", str(half), "--name", name,
+                        "--step-ms", str(args.step_ms), "--per-token-us", "0")  # fmt: skip
+        procs.start("gateway", "gateway")
+        wait_for("the gateway", lambda: _ready(url) and len(WorkerRegistry(client, keys).live_worker_ids()) >= 2 * half)
+        streams = asyncio.run(run_streams(url, redis_url, keys, args, procs.procs["doomed"].kill))
+    finally:
+        procs.stop()
+        delete_keys(redis_url, keys)
+
+    results = {"targets": TARGETS, "args": vars(args), "admission": admission, "streams": streams}
+    out.write_text(json.dumps(results, indent=2))
+    plot(admission, streams, Path(args.plot))
+    print_table(admission, streams)
+    print(f"\nwrote {out} and {args.plot}")
+    return results
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+if __name__ == "__main__":
+    main()
