@@ -2,22 +2,23 @@
 holding many streams, and a process of workers killed under load.
 
     .venv/bin/python benchmarks/control_plane.py                 # the full run: 100 workers, 1,000 streams
-    .venv/bin/python benchmarks/control_plane.py --workers 10 --requests 500 --rates 200 --streams 50  # a look
+    .venv/bin/python benchmarks/control_plane.py --workers 10 --requests 500 --rates 200 --streams 50
 
 Every process is real: redis (REDIS_URL, under a prefix of the run's own, deleted at the end), the scheduler
 and the gateway (gunicorn, default settings), and simulated workers (gpu_worker.simulation: the real worker
 service around a step-time model), several per process. Scenarios:
 
-- admission: --requests requests go into the requests stream at once; the scheduler admits them across
-  --workers simulated workers. Admission rate: requests / (last inbox entry - first enqueue). Per request, the
-  time from its enqueue to its inbox entry, both stream ids (the Redis server's clock). The workers heartbeat
-  rarely and have blocks for all, so their inboxes keep every entry: read after the run, every request must be
-  there exactly once (0 lost, 0 duplicated).
-- paced: the same at fixed offered rates (--rates, requests/s, --paced-s each): achieved rate and latency.
+- admission: --requests requests (one output token each) go into the requests stream at once; the scheduler
+  admits them across --workers simulated workers. Admission rate: requests / time until the scheduler has
+  admitted them all. Queue time: from a request's entry in the requests stream to its inbox entry, both by the
+  Redis server's clock, from the scheduler's own histogram (vllm:request_queue_time_seconds; a quantile is
+  the bound of the bucket that holds it). Every request must have run exactly once: one token in its record
+  (0 lost, 0 duplicated).
+- paced: the same at fixed offered rates (--rates, requests/s, --paced-s each).
 - streams: --streams concurrent streaming completions through the gateway, fed by --stream-workers simulated
   workers in two processes (a step takes --step-ms); each request is also read straight from its Redis
-  channel. Inter-token latency (ITL) both ways: what the gateway adds is the difference. Midway, kill -9 of one
-  of the two worker processes: every stream must still end with all its tokens, and none with an error.
+  channel. Inter-token latency (ITL) both ways: what the gateway adds is the difference. Midway, kill -9 of
+  one of the two worker processes: every stream must still end with all its tokens, and none with an error.
 
 Prints a table; writes JSON and a PNG plot (latency distributions).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -44,7 +46,15 @@ from services import delete_keys
 from workloads import percentile
 
 from shared.keys import Keys
-from shared.protocol import Assignment, GenerateRequest, SamplingSpec, TokenEvent, decode, encode
+from shared.protocol import (
+    QUEUE_TIME_BUCKETS_S,
+    GenerateRequest,
+    SamplingSpec,
+    SchedulerStats,
+    TokenEvent,
+    decode,
+    encode,
+)
 from shared.redis_client import connect
 from shared.registry import WorkerRegistry
 
@@ -87,72 +97,90 @@ def wait_for(what: str, predicate: Any, timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
-def stream_ms(entry_id: str) -> int:
-    return int(entry_id.split("-")[0])
-
-
 def request(rid: str, max_tokens: int) -> GenerateRequest:
     prompt = [random.randrange(1, 4000) for _ in range(PROMPT_LEN)]
     spec = SamplingSpec(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=spec, arrival_time=time.time())
 
 
-# -- admission ------------------------------------------------------------------------------------------------
+# -- admission -----------------------------------------------------------------------------------------------
 
 
-def enqueue(client: redis.Redis, keys: Keys, rids: list[str]) -> dict[str, str]:
-    """Send the requests (one pipeline), returning each one's requests-stream entry id."""
+def scheduler_stats(client: redis.Redis, keys: Keys) -> SchedulerStats:
+    stats = WorkerRegistry(client, keys).scheduler_stats()
+    assert stats is not None, "the scheduler publishes no stats"
+    return stats
+
+
+def enqueue(client: redis.Redis, keys: Keys, rids: list[str]) -> None:
+    """Send the requests (one pipeline): one output token each, so a worker finishes each in one step."""
     pipe = client.pipeline(transaction=False)
     for rid in rids:
         pipe.xadd(keys.requests, {"data": encode(request(rid, 1))})
-    return dict(zip(rids, pipe.execute()))
+    pipe.execute()
 
 
-def inbox_entries(client: redis.Redis, keys: Keys) -> dict[str, list[str]]:
-    """Every request id in every worker's inbox, with the ids of its entries."""
-    found: dict[str, list[str]] = {}
-    for wid in WorkerRegistry(client, keys).worker_ids():
-        for entry_id, fields in client.xrange(keys.inbox(wid)):  # type: ignore[union-attr]
-            rid = decode(Assignment, fields["data"]).request.request_id
-            found.setdefault(rid, []).append(entry_id)
-    return found
+def quantile_ms(buckets: list[int], q: float) -> float:
+    """The bound of the histogram bucket holding quantile q (counts cumulative, QUEUE_TIME_BUCKETS_S)."""
+    target = q * buckets[-1]
+    for bound, count in zip(QUEUE_TIME_BUCKETS_S, buckets):
+        if count >= target:
+            return 1000 * bound
+    return float("inf")
 
 
-def admission_figures(sent: dict[str, str], found: dict[str, list[str]]) -> dict[str, Any]:
-    admitted = [rid for rid in sent if rid in found]
-    latencies = [stream_ms(found[rid][0]) - stream_ms(sent[rid]) for rid in admitted]
-    first = min(stream_ms(e) for e in sent.values())
-    last = max((stream_ms(found[rid][0]) for rid in admitted), default=first)
+def served_once(client: redis.Redis, keys: Keys, rids: list[str]) -> tuple[int, int]:
+    """(lost, duplicated): requests with no token recorded, and requests run more than once (each ran for
+    one token, so a second run shows as a second token in its record)."""
+    lost = duplicated = 0
+    for i in range(0, len(rids), 1000):
+        pipe = client.pipeline(transaction=False)
+        for rid in rids[i : i + 1000]:
+            pipe.llen(keys.tokens(rid, 0))
+        for count in pipe.execute():
+            lost += count == 0
+            duplicated += max(0, count - 1)
+    return lost, duplicated
+
+
+def admit(client: redis.Redis, keys: Keys, name: str, rids: list[str], rate: float | None) -> dict[str, Any]:
+    """Send rids (at once, or at rate per second), wait until the scheduler admitted all and the workers ran
+    them; the figures of this run alone (the histogram's difference)."""
+    before = scheduler_stats(client, keys)
+    start = time.monotonic()
+    step = len(rids) if rate is None else max(1, int(rate / 100))  # batches every 10 ms or so
+    for i in range(0, len(rids), step):
+        if rate is not None:
+            time.sleep(max(0.0, start + i / rate - time.monotonic()))
+        enqueue(client, keys, rids[i : i + step])
+    target = before.num_admitted + len(rids)
+    wait_for(f"{name}'s admissions", lambda: scheduler_stats(client, keys).num_admitted >= target, 600)
+    admitted_s = time.monotonic() - start
+    after = scheduler_stats(client, keys)
+    buckets = [b - a for a, b in zip(before.queue_time_buckets, after.queue_time_buckets)]
+    wait_for(f"{name}'s tokens", lambda: served_once(client, keys, rids)[0] == 0, 120)
+    lost, duplicated = served_once(client, keys, rids)
     return {
-        "requests": len(sent),
-        "lost": len(sent) - len(admitted),
-        "duplicated": sum(len(found[rid]) - 1 for rid in admitted),
-        "admissions_per_s": len(admitted) / max((last - first) / 1000, 1e-3),
-        "latency_ms": {q: percentile(latencies, q) for q in (50, 90, 99)} if latencies else {},
-        "latencies_ms": latencies,
+        "scenario": name,
+        "requests": len(rids),
+        "offered_per_s": rate,
+        "admissions_per_s": len(rids) / admitted_s,
+        "latency_ms": {q: quantile_ms(buckets, q / 100) for q in (50, 90, 99)},
+        "queue_time_buckets": buckets,
+        "lost": lost,
+        "duplicated": duplicated,
     }
 
 
 def run_admission(client: redis.Redis, keys: Keys, args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = []
-    rids = [f"burst-{i}" for i in range(args.requests)]
-    sent = enqueue(client, keys, rids)
-    wait_for("the burst's admission", lambda: len(inbox_entries(client, keys)) >= len(rids), timeout=300)
-    rows.append({"scenario": "burst", **admission_figures(sent, inbox_entries(client, keys))})
+    rows = [admit(client, keys, "burst", [f"burst-{i}" for i in range(args.requests)], None)]
     for rate in args.rates:
-        rids = [f"paced-{rate}-{i}" for i in range(int(rate * args.paced_s))]
-        sent, start = {}, time.monotonic()
-        for i in range(0, len(rids), max(1, int(rate / 100))):  # batches every 10 ms or so
-            batch = rids[i : i + max(1, int(rate / 100))]
-            time.sleep(max(0.0, start + i / rate - time.monotonic()))
-            sent.update(enqueue(client, keys, batch))
-        wait_for(f"{rate}/s admission", lambda: set(rids) <= set(inbox_entries(client, keys)), timeout=300)
-        found = inbox_entries(client, keys)
-        rows.append({"scenario": f"paced {rate:g}/s", **admission_figures(sent, found)})
+        rids = [f"paced-{rate:g}-{i}" for i in range(int(rate * args.paced_s))]
+        rows.append(admit(client, keys, f"paced {rate:g}/s", rids, rate))
     return rows
 
 
-# -- streams --------------------------------------------------------------------------------------------------
+# -- streams -------------------------------------------------------------------------------------------------
 
 
 async def read_channels(url: str, keys: Keys, arrivals: dict[str, list[float]], stop: asyncio.Event) -> None:
@@ -171,7 +199,8 @@ async def read_channels(url: str, keys: Keys, arrivals: dict[str, list[float]], 
 
 async def stream_one(http: httpx.AsyncClient, url: str, max_tokens: int, out: dict[str, Any]) -> None:
     body = {"prompt": [random.randrange(1, 4000) for _ in range(PROMPT_LEN)], "max_tokens": max_tokens,
-            "stream": True, "ignore_eos": True, "temperature": 0}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
     times: list[float] = []
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -182,6 +211,8 @@ async def stream_one(http: httpx.AsyncClient, url: str, max_tokens: int, out: di
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         out["error"] = chunk["error"]["code"]
+                    elif chunk.get("usage"):
+                        out["tokens"] = chunk["usage"]["completion_tokens"]
                     elif chunk["choices"] and chunk["choices"][0]["text"]:
                         times.append(time.monotonic())
     except httpx.HTTPError as e:
@@ -190,10 +221,12 @@ async def stream_one(http: httpx.AsyncClient, url: str, max_tokens: int, out: di
 
 
 def itls(times: list[float]) -> list[float]:
-    return [1000 * (b - a) for a, b in zip(times, times[1:])]
+    return [1000 * (b - a) for a, b in itertools.pairwise(times)]
 
 
-async def run_streams(url: str, redis_url: str, keys: Keys, args: argparse.Namespace, kill: Any) -> dict[str, Any]:
+async def run_streams(
+    url: str, redis_url: str, keys: Keys, args: argparse.Namespace, kill: Any
+) -> dict[str, Any]:
     arrivals: dict[str, list[float]] = {}
     stop = asyncio.Event()
     reader = asyncio.create_task(read_channels(redis_url, keys, arrivals, stop))
@@ -213,7 +246,7 @@ async def run_streams(url: str, redis_url: str, keys: Keys, args: argparse.Names
     return {
         "streams": args.streams,
         "errors": sum(1 for r in results if "error" in r),
-        "incomplete": sum(1 for r in results if "error" not in r and len(r["times"]) < args.stream_tokens),
+        "incomplete": sum(1 for r in results if "error" not in r and r.get("tokens") != args.stream_tokens),
         "killed_after_s": round(killed_at - min(t for r in results for t in r["times"][:1]), 2),
         "itl_gateway_ms": {q: percentile(gateway, q) for q in (50, 99)},
         "itl_direct_ms": {q: percentile(direct, q) for q in (50, 99)},
@@ -223,7 +256,7 @@ async def run_streams(url: str, redis_url: str, keys: Keys, args: argparse.Names
     }
 
 
-# -- the run --------------------------------------------------------------------------------------------------
+# -- the run -------------------------------------------------------------------------------------------------
 
 
 def print_table(admission: list[dict[str, Any]], streams: dict[str, Any]) -> None:
@@ -232,11 +265,12 @@ def print_table(admission: list[dict[str, Any]], streams: dict[str, Any]) -> Non
     for row in admission:
         lat = row["latency_ms"]
         print(f"| {row['scenario']} | {row['requests']} | {row['admissions_per_s']:.0f} | "
-              f"{lat.get(50, 0):.0f} / {lat.get(99, 0):.0f} | {row['lost']} | {row['duplicated']} |")  # fmt: skip
+              f"{lat[50]:g} / {lat[99]:g} | {row['lost']} | {row['duplicated']} |")  # fmt: skip
     g, d = streams["itl_gateway_ms"], streams["itl_direct_ms"]
     print(f"\n{streams['streams']} streams through one gateway, one of two worker processes killed after "
           f"{streams['killed_after_s']} s: {streams['errors']} errors, {streams['incomplete']} incomplete; "
-          f"ITL p50/p99 {g[50]:.1f}/{g[99]:.1f} ms at the client, {d[50]:.1f}/{d[99]:.1f} ms on the Redis channel "
+          f"ITL p50/p99 {g[50]:.1f}/{g[99]:.1f} ms at the client, "
+          f"{d[50]:.1f}/{d[99]:.1f} ms on the Redis channel "
           f"(p99 added: {streams['itl_p99_added_ms']:+.1f} ms)")  # fmt: skip
 
 
@@ -248,9 +282,13 @@ def plot(admission: list[dict[str, Any]], streams: dict[str, Any], path: Path) -
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for row in admission:
-        values = sorted(row["latencies_ms"])
-        left.plot(values, [i / len(values) for i in range(len(values))], label=row["scenario"])
-    left.set(xscale="symlog", xlabel="enqueue to inbox (ms)", ylabel="fraction of requests", title="admission")
+        total = row["queue_time_buckets"][-1] or 1
+        bounds = [1000 * b for b in QUEUE_TIME_BUCKETS_S]
+        left.step(
+            bounds, [c / total for c in row["queue_time_buckets"][:-1]], where="post", label=row["scenario"]
+        )
+    left.set(xscale="log", xlabel="queue time, requests stream to inbox (ms)", ylabel="fraction of requests",
+             title="admission")  # fmt: skip
     left.legend()
     for name, key in (("client (gateway)", "gateway_itls_ms"), ("Redis channel", "direct_itls_ms")):
         values = sorted(streams[key])
@@ -285,16 +323,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     base = {**os.environ, "REDIS_URL": redis_url, "LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
 
-    # Admission: workers that heartbeat rarely keep every inbox entry for the count at the end.
+    # Admission: workers with blocks to spare, whose steps take 1 ms.
     keys = Keys(f"pagedserve-cp-{uuid.uuid4().hex[:8]}")
     client = connect(redis_url)
     procs = Processes({**base, "REDIS_PREFIX": keys.prefix}, out.parent / "control_plane_logs")
     try:
         procs.start("scheduler", "scheduler_svc")
-        slow_beats = {"HEARTBEAT_INTERVAL_S": "60", "HEARTBEAT_TTL_S": "600", "NUM_KV_BLOCKS": "2048"}
         procs.start("workers", "gpu_worker.simulation", "--workers", str(args.workers), "--step-ms", "1",
-                    "--per-token-us", "0", **slow_beats)  # fmt: skip
+                    "--per-token-us", "0", NUM_KV_BLOCKS="2048")  # fmt: skip
         wait_for("the workers", lambda: len(WorkerRegistry(client, keys).live_worker_ids()) >= args.workers)
+        wait_for("the scheduler", lambda: WorkerRegistry(client, keys).scheduler_stats() is not None)
         admission = run_admission(client, keys, args)
     finally:
         procs.stop()
@@ -314,7 +352,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             procs.start(name, "gpu_worker.simulation", "--workers", str(half), "--name", name,
                         "--step-ms", str(args.step_ms), "--per-token-us", "0")  # fmt: skip
         procs.start("gateway", "gateway")
-        wait_for("the gateway", lambda: _ready(url) and len(WorkerRegistry(client, keys).live_worker_ids()) >= 2 * half)
+        wait_for(
+            "the gateway",
+            lambda: _ready(url) and len(WorkerRegistry(client, keys).live_worker_ids()) >= 2 * half,
+        )
         streams = asyncio.run(run_streams(url, redis_url, keys, args, procs.procs["doomed"].kill))
     finally:
         procs.stop()

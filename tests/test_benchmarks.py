@@ -170,3 +170,22 @@ def test_cpu_kernel_bench_smoke(tmp_path: Path) -> None:
     assert [(r["batch"], r["context"]) for r in results["attention"]] == [(1, 20), (3, 20)]
     assert all(r["kernel_ms"] > 0 and r["twin_ms"] > 0 for r in results["attention"])
     assert [r["rows"] for r in results["lm_head"]] == [1, 4]
+
+
+def test_control_plane_smoke(tmp_path: Path) -> None:
+    """The control-plane benchmark end to end, small: real scheduler and gateway, simulated workers."""
+    import control_plane
+
+    out, png = tmp_path / "cp.json", tmp_path / "cp.png"
+    results = control_plane.main(
+        ["--workers", "4", "--requests", "200", "--rates", "100", "--paced-s", "1", "--streams", "16",
+         "--stream-workers", "4", "--stream-tokens", "8", "--step-ms", "30", "--kill-after-s", "0.3",
+         "--json", str(out), "--plot", str(png)]
+    )  # fmt: skip
+    assert json.loads(out.read_text())["streams"]["streams"] == 16 and png.stat().st_size > 0
+    for row in results["admission"]:
+        assert row["lost"] == row["duplicated"] == 0 and row["admissions_per_s"] > 0
+        assert sum(row["queue_time_buckets"][:-1]) >= 0 and row["queue_time_buckets"][-1] == row["requests"]
+    streams = results["streams"]
+    assert streams["errors"] == streams["incomplete"] == 0  # one of two worker processes was killed
+    assert streams["itl_gateway_ms"][50] > 0 and streams["itl_direct_ms"][50] > 0
