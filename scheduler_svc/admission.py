@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -46,43 +47,73 @@ class Reject:
 Decision = Admit | Reject
 
 
-def never_fits(request: GenerateRequest, rooms: Iterable[WorkerRoom]) -> RequestRejected | None:
+Shape = tuple[int, int, int]  # block size, max_model_len, capacity in blocks
+
+
+def shapes_of(rooms: Iterable[WorkerRoom]) -> set[Shape]:
+    """The distinct shapes of the workers (mostly one): what never_fits looks at."""
+    return {(r.block_size, r.max_model_len, r.capacity_blocks) for r in rooms}
+
+
+def never_fits(request: GenerateRequest, shapes: set[Shape]) -> RequestRejected | None:
     """Why no live worker could ever run the request, or None when one could (or none is live)."""
-    rooms = list(rooms)
-    if not rooms:
+    if not shapes:
         return None
     num_prompt_tokens = len(request.prompt_token_ids)
-    for room in rooms:
-        if num_prompt_tokens < room.max_model_len and (
-            request.num_blocks_for_prompt(room.block_size) <= room.capacity_blocks
-        ):
+    for block_size, max_model_len, capacity in shapes:
+        if num_prompt_tokens < max_model_len and request.num_blocks_for_prompt(block_size) <= capacity:
             return None
-    longest = max(rooms, key=lambda r: r.max_model_len)
-    if num_prompt_tokens >= longest.max_model_len:
+    longest = max(max_model_len for _, max_model_len, _ in shapes)
+    if num_prompt_tokens >= longest:
         return RequestRejected(
             ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            f"prompt of {num_prompt_tokens} tokens reaches max_model_len {longest.max_model_len}",
+            f"prompt of {num_prompt_tokens} tokens reaches max_model_len {longest}",
         )
-    largest = max(rooms, key=lambda r: r.capacity_blocks * r.block_size)
+    block_size, _, capacity = max(shapes, key=lambda shape: shape[2] * shape[0])
     return RequestRejected(
         ErrorCode.KV_CAPACITY_EXCEEDED,
-        f"prompt needs {request.num_blocks_for_prompt(largest.block_size)} KV blocks of "
-        f"{largest.block_size} tokens; the largest worker can hold {largest.capacity_blocks}",
+        f"prompt needs {request.num_blocks_for_prompt(block_size)} KV blocks of "
+        f"{block_size} tokens; the largest worker can hold {capacity}",
     )
 
 
-def _best_room(request: GenerateRequest, rooms: list[WorkerRoom], max_running: int) -> WorkerRoom | None:
-    """The least-loaded room with space now: most available blocks, then fewest sequences, then id."""
-    fitting = [
-        r
-        for r in rooms
-        if r.num_assigned < max_running
-        and len(request.prompt_token_ids) < r.max_model_len
-        and request.num_blocks_for_prompt(r.block_size) <= r.available_blocks
-    ]
-    if not fitting:
-        return None
-    return min(fitting, key=lambda r: (-r.available_blocks, r.load, r.worker_id))
+class RoomHeap:
+    """The rooms by preference (most available blocks, then least load, then id), for the next request to
+    take the best that fits: O(log rooms) a request, not a scan of every worker."""
+
+    def __init__(self, rooms: list[WorkerRoom]) -> None:
+        self._heap = [(-r.available_blocks, r.load, r.worker_id, r) for r in rooms]
+        heapq.heapify(self._heap)
+        self._block_sizes = {r.block_size for r in rooms}
+
+    def take(self, request: GenerateRequest, max_running: int) -> tuple[WorkerRoom, int] | None:
+        """The best room with space for request now and the blocks it takes there (the room is charged)."""
+        num_prompt_tokens = len(request.prompt_token_ids)
+        blocks = {bs: request.num_blocks_for_prompt(bs) for bs in self._block_sizes}
+        passed = []
+        found = None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            room = entry[3]
+            needed = blocks[room.block_size]
+            if needed > room.available_blocks and len(self._block_sizes) == 1:
+                passed.append(entry)  # the most available blocks of all, and too few: none has enough
+                break
+            if (
+                room.num_assigned < max_running
+                and num_prompt_tokens < room.max_model_len
+                and (needed <= room.available_blocks)
+            ):
+                room.available_blocks -= needed
+                room.num_assigned += 1
+                room.load += 1
+                passed.append((-room.available_blocks, room.load, room.worker_id, room))
+                found = (room, needed)
+                break
+            passed.append(entry)
+        for entry in passed:
+            heapq.heappush(self._heap, entry)
+        return found
 
 
 def plan_admissions(
@@ -92,17 +123,15 @@ def plan_admissions(
     decisions: list[Decision] = []
     if not rooms:
         return decisions
+    heap, shapes = RoomHeap(rooms), shapes_of(rooms)
     for entry in queue:
-        error = never_fits(entry.request, rooms)
+        error = never_fits(entry.request, shapes)
         if error is not None:
             decisions.append(Reject(entry, error))
             continue
-        room = _best_room(entry.request, rooms, max_running)
-        if room is None:
+        taken = heap.take(entry.request, max_running)
+        if taken is None:
             break
-        blocks = entry.request.num_blocks_for_prompt(room.block_size)
-        room.available_blocks -= blocks
-        room.num_assigned += 1
-        room.load += 1
+        room, blocks = taken
         decisions.append(Admit(entry, room.worker_id, blocks))
     return decisions

@@ -12,7 +12,7 @@ from typing import Any, cast
 import redis
 from pydantic import ValidationError
 
-from scheduler_svc.admission import Admit, Decision, Reject, never_fits, plan_admissions
+from scheduler_svc.admission import Admit, Decision, Reject, never_fits, plan_admissions, shapes_of
 from scheduler_svc.failover import Failover
 from scheduler_svc.queue import QueuedRequest, QueueTimes, WaitingQueue, stream_ms
 from scheduler_svc.reserve import Reserver
@@ -58,6 +58,8 @@ class SchedulerService:
         self._needs_resync = True
         self._stopping = False
         self._next_claim = 0.0
+        self._next_refresh = 0.0
+        self._view_stale = False
         self._last_stats: tuple[int, int, int] | None = None
         self.queue_times = QueueTimes()
         self._stats_at = 0.0
@@ -83,17 +85,22 @@ class SchedulerService:
         log.info("scheduler %s stopped", self.consumer)
 
     def step(self, block_ms: int | None = None) -> None:
-        """One iteration: claim orphans, read, refresh workers, sweep the dead, admit, publish stats."""
+        """One iteration: claim orphans, read, refresh the workers when due, fail over, admit, publish."""
         if self._needs_resync:
             self._resync()
         if time.monotonic() >= self._next_claim:
             self._claim_orphans()
             self._next_claim = time.monotonic() + self.settings.claim_idle_s / 3
         self._read(">", block_ms)
-        self.view.refresh()
-        if self.view.dead:
-            # The re-queued requests come back through the stream, so they take the normal path next step.
-            self.failover.sweep(self.view.dead)
+        now = time.monotonic()
+        if now >= self._next_refresh or self._view_stale:
+            # The view only guides the plan (the admit script checks each worker as it reserves), so it is
+            # read again every view_refresh_s, or as soon as a worker refused what the plan sent it.
+            self.view.refresh()
+            self._next_refresh, self._view_stale = now + self.settings.view_refresh_s, False
+            if self.view.dead:
+                # The re-queued requests come back through the stream, so they take the normal path next step.
+                self.failover.sweep(self.view.dead)
         self._admit()
         self._publish_stats()
 
@@ -172,8 +179,9 @@ class SchedulerService:
         decisions = plan_admissions(self.queue, rooms, self.settings.max_running_per_worker)
         decided = {d.entry.entry_id for d in decisions}
         # Fail a request that fits no worker as soon as it arrives, not once it reaches the head.
+        shapes = shapes_of(rooms)
         for entry in fresh:
-            error = never_fits(entry.request, rooms) if entry.entry_id not in decided else None
+            error = never_fits(entry.request, shapes) if entry.entry_id not in decided else None
             if error is not None:
                 decisions.append(Reject(entry, error))
         if decisions:

@@ -13,6 +13,9 @@ class SchedulerSettings(CommonSettings):
     watermark_blocks: int = Field(2, description="free blocks a worker keeps beyond an admitted prompt")
     max_running_per_worker: int = Field(256, description="assignments a worker may hold at once")
     poll_interval_s: float = Field(0.05, description="longest wait for new requests before re-checking")
+    view_refresh_s: float = Field(
+        0.1, description="the workers' heartbeats are read at most this often (and after a refusal)"
+    )
     claim_idle_s: float = Field(
         5.0, description="requests a scheduler has not touched for this long are claimed by another"
     )

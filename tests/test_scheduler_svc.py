@@ -51,7 +51,9 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 
 
 def make_settings(redis_url: str, prefix: str, **overrides: Any) -> SchedulerSettings:
-    return SchedulerSettings(redis_url=redis_url, redis_prefix=prefix, watermark_blocks=2, **overrides)
+    # Every step reads the heartbeats the test has just written.
+    values = {"watermark_blocks": 2, "view_refresh_s": 0.0, **overrides}
+    return SchedulerSettings(redis_url=redis_url, redis_prefix=prefix, **values)
 
 
 def make_service(
