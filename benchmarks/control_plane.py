@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -41,7 +42,6 @@ from typing import Any
 
 import httpx
 import redis
-import redis.asyncio as aioredis
 from services import delete_keys
 from workloads import percentile
 
@@ -183,18 +183,25 @@ def run_admission(client: redis.Redis, keys: Keys, args: argparse.Namespace) -> 
 # -- streams -------------------------------------------------------------------------------------------------
 
 
-async def read_channels(url: str, keys: Keys, arrivals: dict[str, list[float]], stop: asyncio.Event) -> None:
-    """Every token event of the run, straight from Redis (one pattern subscription): arrival times."""
-    client = aioredis.from_url(url, decode_responses=True)
-    pubsub = client.pubsub()
-    await pubsub.psubscribe(keys.events("*"))
-    while not stop.is_set():
-        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
-        if message is not None:
-            event = decode(TokenEvent, message["data"])
-            arrivals.setdefault(event.request_id, []).extend([time.monotonic()] * len(event.token_ids))
-    await pubsub.aclose()
-    await client.aclose()
+def read_channels(redis_url: str, pattern: str, out: Path, stop: Any) -> None:
+    """In a process of its own: every token event of the run, straight from Redis (one pattern subscription),
+    written as `<request id> <arrival time> <tokens>` lines."""
+    pubsub = connect(redis_url).pubsub()
+    pubsub.psubscribe(pattern)
+    with out.open("w") as log:
+        while not stop.is_set():
+            message = pubsub.get_message(timeout=0.1)
+            if message is not None and message["type"] == "pmessage":
+                event = decode(TokenEvent, message["data"])
+                log.write(f"{event.request_id} {time.time()} {len(event.token_ids)}\n")
+
+
+def channel_arrivals(path: Path) -> dict[str, list[float]]:
+    arrivals: dict[str, list[float]] = {}
+    for line in path.read_text().splitlines():
+        rid, at, count = line.split()
+        arrivals.setdefault(rid, []).extend([float(at)] * int(count))
+    return arrivals
 
 
 async def stream_one(http: httpx.AsyncClient, url: str, max_tokens: int, out: dict[str, Any]) -> None:
@@ -214,7 +221,7 @@ async def stream_one(http: httpx.AsyncClient, url: str, max_tokens: int, out: di
                     elif chunk.get("usage"):
                         out["tokens"] = chunk["usage"]["completion_tokens"]
                     elif chunk["choices"] and chunk["choices"][0]["text"]:
-                        times.append(time.monotonic())
+                        times.append(time.time())
     except httpx.HTTPError as e:
         out["error"] = type(e).__name__
     out["times"] = times
@@ -224,23 +231,32 @@ def itls(times: list[float]) -> list[float]:
     return [1000 * (b - a) for a, b in itertools.pairwise(times)]
 
 
-async def run_streams(
-    url: str, redis_url: str, keys: Keys, args: argparse.Namespace, kill: Any
-) -> dict[str, Any]:
-    arrivals: dict[str, list[float]] = {}
-    stop = asyncio.Event()
-    reader = asyncio.create_task(read_channels(redis_url, keys, arrivals, stop))
-    await asyncio.sleep(0.5)
+async def stream_all(url: str, args: argparse.Namespace, kill: Any) -> tuple[list[dict[str, Any]], float]:
     limits = httpx.Limits(max_connections=args.streams + 10, max_keepalive_connections=0)
     results: list[dict[str, Any]] = [{} for _ in range(args.streams)]
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         tasks = [asyncio.create_task(stream_one(http, url, args.stream_tokens, r)) for r in results]
         await asyncio.sleep(args.kill_after_s)
-        killed_at = time.monotonic()
+        killed_at = time.time()
         kill()
         await asyncio.gather(*tasks)
-    stop.set()
-    await reader
+    return results, killed_at
+
+
+def run_streams(url: str, redis_url: str, keys: Keys, args: argparse.Namespace, kill: Any) -> dict[str, Any]:
+    """The streams; the Redis channels are read by another process (it must not share the client's loop)."""
+    context = multiprocessing.get_context("fork")
+    stop, log = context.Event(), Path(args.json).parent / "control_plane_channels.txt"
+    reader = context.Process(target=read_channels, args=(redis_url, keys.events("*"), log, stop))
+    reader.start()
+    time.sleep(0.5)
+    try:
+        results, killed_at = asyncio.run(stream_all(url, args, kill))
+    finally:
+        time.sleep(0.5)
+        stop.set()
+        reader.join(timeout=10)
+    arrivals = channel_arrivals(log)
     gateway = [x for r in results for x in itls(r["times"])]
     direct = [x for r in results if "rid" in r for x in itls(arrivals.get(r["rid"], []))]
     return {
@@ -356,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "the gateway",
             lambda: _ready(url) and len(WorkerRegistry(client, keys).live_worker_ids()) >= 2 * half,
         )
-        streams = asyncio.run(run_streams(url, redis_url, keys, args, procs.procs["doomed"].kill))
+        streams = run_streams(url, redis_url, keys, args, procs.procs["doomed"].kill)
     finally:
         procs.stop()
         delete_keys(redis_url, keys)
