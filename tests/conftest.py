@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,8 @@ from cluster import free_port, start_redis_server
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from gpu_worker.model_loader import resolve_model_path
+from scheduler_svc.service import SchedulerService
+from scheduler_svc.settings import SchedulerSettings
 from shared.keys import Keys
 
 # Large enough weights that the random model's next-token distribution is peaked: greedy comparisons
@@ -110,6 +113,17 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
         keys = list(client.scan_iter(match=pattern, count=1000))
         if keys:
             client.delete(*keys)
+
+
+@pytest.fixture
+def scheduler(redis_url: str, redis_prefix: str) -> Iterator[SchedulerService]:
+    """The real scheduler service under this test's prefix, running in a thread."""
+    service = SchedulerService(SchedulerSettings(redis_url=redis_url, redis_prefix=redis_prefix))
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    yield service
+    service.stop()
+    thread.join(timeout=10)
 
 
 @pytest.fixture

@@ -34,8 +34,6 @@ from gateway.prepare import Prepared
 from gateway.settings import GatewaySettings
 from gateway.token_receiver import GenerationError
 from gateway.tokenization import Tokenizer, load_tokenizer
-from scheduler_svc.service import SchedulerService
-from scheduler_svc.settings import SchedulerSettings
 from shared.errors import ErrorCode
 from shared.keys import Keys
 from shared.protocol import (
@@ -796,17 +794,6 @@ def test_an_error_from_the_worker(client, r, keys) -> None:
     response = client.post(CMPL, json={"prompt": "hi"})
     fake.join()
     assert assert_openai_error(response, 500, "server_error")["code"] == "engine_error"
-
-
-@pytest.fixture
-def scheduler(redis_url: str, redis_prefix: str) -> Iterator[SchedulerService]:
-    """The real scheduler service, running in a thread."""
-    service = SchedulerService(SchedulerSettings(redis_url=redis_url, redis_prefix=redis_prefix))
-    thread = threading.Thread(target=service.run, daemon=True)
-    thread.start()
-    yield service
-    service.stop()
-    thread.join(timeout=10)
 
 
 @pytest.mark.usefixtures("worker", "scheduler")

@@ -6,10 +6,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,8 +17,6 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.simulation import SimulatedEngine, SimulatedWorkers, StepTime, next_token
-from scheduler_svc.service import SchedulerService
-from scheduler_svc.settings import SchedulerSettings
 from shared.keys import Keys
 from shared.protocol import GenerateRequest, SamplingSpec, encode
 from shared.records import parse_ends, parse_tokens
@@ -77,16 +73,6 @@ def check_records(client: redis.Redis, keys: Keys, prompts: dict[str, list[int]]
         assert tokens == expected_tokens(prompt, max_tokens), rid
         ends = parse_ends(client.hgetall(keys.finished(rid)))  # type: ignore[arg-type]
         assert ends[0].finish_reason == "length", rid
-
-
-@pytest.fixture
-def scheduler(redis_url: str, redis_prefix: str) -> Iterator[SchedulerService]:
-    service = SchedulerService(SchedulerSettings(redis_url=redis_url, redis_prefix=redis_prefix))
-    thread = threading.Thread(target=service.run, daemon=True)
-    thread.start()
-    yield service
-    service.stop()
-    thread.join(timeout=10)
 
 
 def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
