@@ -94,10 +94,6 @@ class EventHub:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    @property
-    def num_channels(self) -> int:
-        return len(self._channels)
-
     # -- the thread ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:

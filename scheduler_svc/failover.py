@@ -10,7 +10,7 @@ import redis
 from pydantic import ValidationError
 
 from shared.keys import Keys
-from shared.protocol import GenerateRequest, decode, encode
+from shared.protocol import Assignment, GenerateRequest, decode, encode
 from shared.records import parse_ends, parse_tokens
 from shared.redis_client import NamedPipeline
 
@@ -79,7 +79,7 @@ class Failover:
                 dead.append(wid)
                 for rid, data in replies[("assigned", wid)].items():
                     try:
-                        requests.append(decode(GenerateRequest, data))
+                        requests.append(decode(Assignment, data).request)
                     except ValidationError as exc:
                         log.error("dropping unreadable assignment %s of dead worker %s: %s", rid, wid, exc)
             requeue = self._resumed(requests)

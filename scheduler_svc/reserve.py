@@ -19,10 +19,10 @@ from shared.protocol import Assignment, encode
 
 ADMIT_SCRIPT = """
 -- KEYS[1] the worker's heartbeat (hash)   KEYS[2] its reservation counter   KEYS[3] its inbox (stream)
--- KEYS[4] its assigned requests (hash)   KEYS[5] the requests stream
+-- KEYS[4] its assignments (hash: request id -> assignment)   KEYS[5] the requests stream
 -- ARGV[1] blocks to reserve   ARGV[2] watermark blocks   ARGV[3] most assignments a worker holds
--- ARGV[4] the assignment (json)   ARGV[5] request id   ARGV[6] the request (json)
--- ARGV[7] the schedulers' consumer group   ARGV[8] the request's entry in the requests stream
+-- ARGV[4] the assignment (json)   ARGV[5] request id
+-- ARGV[6] the schedulers' consumer group   ARGV[7] the request's entry in the requests stream
 -- Returns the inbox entry's id, or false when the worker is gone or has no room for the request now.
 local beat = redis.call('HMGET', KEYS[1], 'free_blocks', 'waiting_blocks')
 if not beat[1] then return false end
@@ -31,10 +31,10 @@ local available = tonumber(beat[1]) - tonumber(beat[2] or '0') - reserved - tonu
 if tonumber(ARGV[1]) > available then return false end
 if redis.call('HLEN', KEYS[4]) >= tonumber(ARGV[3]) then return false end
 redis.call('INCRBY', KEYS[2], ARGV[1])
-redis.call('HSET', KEYS[4], ARGV[5], ARGV[6])
+redis.call('HSET', KEYS[4], ARGV[5], ARGV[4])
 local entry = redis.call('XADD', KEYS[3], '*', 'data', ARGV[4], 'blocks', ARGV[1])
-redis.call('XACK', KEYS[5], ARGV[7], ARGV[8])
-redis.call('XDEL', KEYS[5], ARGV[8])
+redis.call('XACK', KEYS[5], ARGV[6], ARGV[7])
+redis.call('XDEL', KEYS[5], ARGV[7])
 return entry
 """
 
@@ -50,7 +50,7 @@ class Reserver:
 
     def admit(self, pipe: Any, assignment: Assignment, entry_id: str) -> None:
         """Queue on pipe: reserve and hand on, if it fits (the reply: the inbox entry id, or None)."""
-        keys, wid, request = self._keys, assignment.worker_id, assignment.request
+        keys, wid = self._keys, assignment.worker_id
         self._script(
             keys=[keys.worker(wid), keys.reserved(wid), keys.inbox(wid), keys.assigned(wid), keys.requests],
             args=[
@@ -58,8 +58,7 @@ class Reserver:
                 self._watermark_blocks,
                 self._max_assigned,
                 encode(assignment),
-                request.request_id,
-                encode(request),
+                assignment.request.request_id,
                 SCHEDULER_GROUP,
                 entry_id,
             ],

@@ -253,7 +253,6 @@ class SchedulerService:
             num_waiting=current[0],
             num_assigned=current[1],
             updated_at=time.time(),
-            num_admitted=self.queue_times.count,
             queue_time_buckets=list(self.queue_times.buckets),
             queue_time_sum_s=self.queue_times.sum_s,
         )

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
 from scheduler_svc.admission import WorkerRoom
 from shared.keys import Keys
 from shared.protocol import Heartbeat
-from shared.redis_client import NamedPipeline
 from shared.registry import WorkerRegistry
 
 
@@ -30,8 +27,6 @@ class WorkerView:
     the admit script checks again at the moment it reserves)."""
 
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
-        self._client = client
-        self._keys = keys
         self._registry = WorkerRegistry(client, keys)
         self.live: dict[str, LiveWorker] = {}
         self.dead: list[str] = []
@@ -41,16 +36,10 @@ class WorkerView:
         return sum(w.num_assigned for w in self.live.values())
 
     def refresh(self) -> None:
-        """Three round trips: the registry, every heartbeat and assigned count, every reservation counter."""
-        snapshot = self._registry.read(count_assigned=True)
-        reserved: dict[Hashable, Any] = {}
-        if snapshot.live:
-            pipe = NamedPipeline(self._client)
-            for wid in snapshot.live:
-                pipe.named(wid).get(self._keys.reserved(wid))
-            reserved = pipe.execute()
+        """Two round trips: the registry, then every heartbeat, assigned count and reservation counter."""
+        snapshot = self._registry.read(with_load=True)
         self.live = {
-            wid: LiveWorker(heartbeat, snapshot.num_assigned[wid], max(0, int(reserved[wid] or 0)))
+            wid: LiveWorker(heartbeat, snapshot.num_assigned[wid], snapshot.reserved_blocks[wid])
             for wid, heartbeat in snapshot.live.items()
         }
         # An unreadable heartbeat (a worker mid-upgrade) is neither live nor dead.

@@ -3,23 +3,23 @@
 All names start with the configured prefix (`REDIS_PREFIX`, default `pagedserve`), so several deployments or
 test runs can share one Redis. `rid` is a request id, `wid` a worker id, `i` a sample index.
 
-| name                         | type             | writer                | reader               | TTL           |
-| ---------------------------- | ---------------- | --------------------- | -------------------- | ------------- |
-| {p}:requests                 | stream           | gateway, batch        | scheduler (group)    | MAXLEN ~      |
-| {p}:workers                  | set              | worker                | scheduler, gateway   | swept if dead |
-| {p}:worker:{wid}             | hash             | worker (heartbeat)    | scheduler, gateway   | HEARTBEAT_TTL |
-| {p}:worker:{wid}:inbox       | stream           | scheduler             | worker (group)       | gone if dead  |
-| {p}:worker:{wid}:assigned    | hash rid→json    | scheduler; worker del | scheduler (failover) | gone if dead  |
-| {p}:worker:{wid}:reserved    | int (blocks)     | scheduler +, worker - | scheduler            | gone if dead  |
-| {p}:aborts                   | pub/sub          | gateway               | workers              | -             |
-| {p}:request:{rid}:abort      | string           | gateway               | scheduler, worker    | REQUEST_TTL   |
-| {p}:request:{rid}:meta       | string (json)    | gateway               | gateway              | REQUEST_TTL   |
-| {p}:request:{rid}:attached   | zset id→lease    | gateway               | gateway              | REQUEST_TTL   |
-| {p}:request:{rid}:events     | pub/sub          | worker, scheduler     | gateway              | -             |
-| {p}:request:{rid}:tokens:{i} | list of ints     | worker                | scheduler, gateway   | REQUEST_TTL   |
-| {p}:request:{rid}:finished   | hash i→SampleEnd | worker, scheduler     | scheduler, gateway   | REQUEST_TTL   |
-| {p}:scheduler:stats          | hash             | scheduler             | gateway              | HEARTBEAT_TTL |
-| {p}:scheduler:lock           | string           | scheduler             | scheduler            | seconds       |
+| name                         | type                | writer                | reader               | TTL           |
+| ---------------------------- | ------------------- | --------------------- | -------------------- | ------------- |
+| {p}:requests                 | stream              | gateway, batch        | scheduler (group)    | MAXLEN ~      |
+| {p}:workers                  | set                 | worker                | scheduler, gateway   | swept if dead |
+| {p}:worker:{wid}             | hash                | worker (heartbeat)    | scheduler, gateway   | HEARTBEAT_TTL |
+| {p}:worker:{wid}:inbox       | stream              | scheduler             | worker (group)       | gone if dead  |
+| {p}:worker:{wid}:assigned    | hash rid→Assignment | scheduler; worker del | scheduler (failover) | gone if dead  |
+| {p}:worker:{wid}:reserved    | int (blocks)        | scheduler +, worker - | scheduler            | gone if dead  |
+| {p}:aborts                   | pub/sub             | gateway               | workers              | -             |
+| {p}:request:{rid}:abort      | string              | gateway               | scheduler, worker    | REQUEST_TTL   |
+| {p}:request:{rid}:meta       | string (json)       | gateway               | gateway              | REQUEST_TTL   |
+| {p}:request:{rid}:attached   | zset id→lease       | gateway               | gateway              | REQUEST_TTL   |
+| {p}:request:{rid}:events     | pub/sub             | worker, scheduler     | gateway              | -             |
+| {p}:request:{rid}:tokens:{i} | list of ints        | worker                | scheduler, gateway   | REQUEST_TTL   |
+| {p}:request:{rid}:finished   | hash i→SampleEnd    | worker, scheduler     | scheduler, gateway   | REQUEST_TTL   |
+| {p}:scheduler:stats          | hash                | scheduler             | gateway              | HEARTBEAT_TTL |
+| {p}:scheduler:lock           | string              | scheduler             | scheduler            | seconds       |
 
 HEARTBEAT_TTL is HEARTBEAT_TTL_S and REQUEST_TTL is REQUEST_TTL_S (shared.settings). The scheduler writes a
 request's events and finished record only to refuse it (shared.records).

@@ -78,7 +78,8 @@ def tokenizer_folder(model: str | None) -> str:
     path = model_source(model)
     if not is_gguf(path):
         return str(path)
-    target = converted_folder(path).with_name(converted_folder(path).name + "-tokenizer")
+    converted = converted_folder(path)
+    target = converted.with_name(converted.name + "-tokenizer")
     if not (target / CONFIG_FILE).exists():
         publish_folder(target, lambda folder: _extract_tokenizer(path, folder))
     return str(target)

@@ -194,9 +194,13 @@ class SchedulerStats(WireModel):
     num_waiting: int
     num_assigned: int
     updated_at: float
-    num_admitted: int = 0
     queue_time_buckets: list[int] = Field(default_factory=lambda: [0] * (len(QUEUE_TIME_BUCKETS_S) + 1))
     queue_time_sum_s: float = 0.0
+
+    @property
+    def num_admitted(self) -> int:
+        """Requests admitted since the scheduler started (the histogram's last, cumulative bucket)."""
+        return self.queue_time_buckets[-1]
 
     def to_hash(self) -> dict[str, str]:
         return _to_hash(self)

@@ -56,9 +56,6 @@ class NamedPipeline:
         self._positions[name] = len(self.pipe)
         return self.pipe
 
-    def __len__(self) -> int:
-        return len(self.pipe)
-
     def execute(self) -> dict[Hashable, Any]:
         replies = self.pipe.execute() if len(self.pipe) else []
         return {name: replies[position] for name, position in self._positions.items()}

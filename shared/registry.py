@@ -29,8 +29,9 @@ class RegistrySnapshot:
     dead: list[str] = field(default_factory=list)  # registered, heartbeat expired
     # A heartbeat that exists but cannot be read (a worker of another version): neither live nor dead.
     unreadable: list[str] = field(default_factory=list)
-    # Requests assigned to each live worker (filled when asked for).
+    # Per live worker, when asked for: requests assigned to it, and blocks reserved for those not taken in.
     num_assigned: dict[str, int] = field(default_factory=dict)
+    reserved_blocks: dict[str, int] = field(default_factory=dict)
 
 
 class WorkerRegistry:
@@ -55,8 +56,9 @@ class WorkerRegistry:
         alive = pipe.execute()
         return [wid for wid in worker_ids if alive[wid]]
 
-    def read(self, *, count_assigned: bool = False) -> RegistrySnapshot:
-        """Every registered worker's heartbeat (and assignment count): two round trips."""
+    def read(self, *, with_load: bool = False) -> RegistrySnapshot:
+        """Every registered worker's heartbeat (with_load: and its assignments and reservation counter): two
+        round trips."""
         worker_ids = self.worker_ids()
         snapshot = RegistrySnapshot()
         if not worker_ids:
@@ -64,8 +66,9 @@ class WorkerRegistry:
         pipe = NamedPipeline(self._client)
         for wid in worker_ids:
             pipe.named(("heartbeat", wid)).hgetall(self._keys.worker(wid))
-            if count_assigned:
+            if with_load:
                 pipe.named(("assigned", wid)).hlen(self._keys.assigned(wid))
+                pipe.named(("reserved", wid)).get(self._keys.reserved(wid))
         replies = pipe.execute()
         for wid in worker_ids:
             fields = replies[("heartbeat", wid)]
@@ -78,8 +81,9 @@ class WorkerRegistry:
                 logger.warning("unreadable heartbeat of worker %s: %s", wid, exc)
                 snapshot.unreadable.append(wid)
                 continue
-            if count_assigned:
+            if with_load:
                 snapshot.num_assigned[wid] = int(replies[("assigned", wid)])
+                snapshot.reserved_blocks[wid] = max(0, int(replies[("reserved", wid)] or 0))
         return snapshot
 
     def scheduler_stats(self) -> SchedulerStats | None:

@@ -633,7 +633,7 @@ def test_metrics_use_vllm_names(client, r, keys) -> None:
     add_worker(r, keys, "w0", free=30, total=40)
     buckets = [0, 1, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 4]  # 1, 2, 3 ms and one of 20 s
     stats = SchedulerStats(
-        num_waiting=0, num_assigned=0, updated_at=time.time(), num_admitted=4, queue_time_buckets=buckets,
+        num_waiting=0, num_assigned=0, updated_at=time.time(), queue_time_buckets=buckets,
         queue_time_sum_s=20.006,
     )  # fmt: skip
     r.hset(keys.scheduler_stats, mapping=stats.to_hash())  # type: ignore[arg-type]

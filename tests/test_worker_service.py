@@ -59,11 +59,10 @@ def greedy(offline: LLM, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def assign(client: redis.Redis, keys: Keys, request: GenerateRequest, wid: str = "w1") -> None:
+    assignment = encode(Assignment(worker_id=wid, request=request, reserved_blocks=2))
     pipe = client.pipeline()
-    pipe.xadd(
-        keys.inbox(wid), {"data": encode(Assignment(worker_id=wid, request=request, reserved_blocks=2))}
-    )
-    pipe.hset(keys.assigned(wid), request.request_id, encode(request))
+    pipe.xadd(keys.inbox(wid), {"data": assignment})
+    pipe.hset(keys.assigned(wid), request.request_id, assignment)
     pipe.execute()
 
 
