@@ -127,9 +127,7 @@ class Gateway:
         on; else the whole response, once it has finished."""
         stream = request.args.get("stream", "false").lower() == "true"
         after = request.args.get("starting_after")
-        if after is None:
-            return self._resume(chat=chat, event=None, stream=stream, request_id=request_id)
-        event = after if ":" in after else f"{request_id}:{after}"
+        event = after if after is None or ":" in after else f"{request_id}:{after}"
         return self._resume(chat=chat, event=event, stream=stream, request_id=request_id)
 
     def _resume(

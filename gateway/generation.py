@@ -107,6 +107,7 @@ class Generation:
         self._closed = False
         self.reattached = False  # a client attached to a request it did not submit here (no metrics)
         self.resumed = False  # ... and it has had part of the stream (no opening chunks)
+        self.usage_sent = False  # ... all of it, up to the usage chunk
         self._arrived = time.monotonic() if arrived is None else arrived
         self._deadline = self._arrived + limits.timeout_s
         self._is_disconnected = is_disconnected
@@ -221,12 +222,11 @@ class Generation:
             if reached > sample.num_tokens and sample.finished:
                 sample.take_finish()
             self._receiver.skip(sample.index, fed, sample.finish_reason)
+        # The usage chunk's event id is one past every sample's end (gateway.responses.usage_chunk).
+        self.usage_sent = self.resumed and all(
+            s.finished and reached > s.position for s, reached in zip(self.samples, cursor)
+        )
         self._apply(self._receiver.catch_up())
-
-    @property
-    def usage_sent(self) -> bool:
-        """A resumed client had the usage chunk already (its cursor is past every sample's end)."""
-        return self.resumed and all(s.position > s.num_tokens + 1 for s in self.samples)
 
     def _renew(self, now: float) -> None:
         if self._attachments is None or self._attachment is None:
@@ -290,6 +290,16 @@ class Generation:
         except redis.RedisError as e:
             logger.warning("request %s: could not publish its abort (%s): %s", rid, reason, e)
 
+    def _abort_unless_finished(self, reason: str) -> None:
+        """abort(), unless every sample has ended meanwhile (its worker went on without the client)."""
+        try:
+            if self._client.hlen(self._keys.finished(self.request_id)) >= len(self.samples):
+                return
+        except redis.RedisError as e:  # the request finishes on its own, or times out on its worker
+            logger.warning("request %s: could not read whether it finished: %s", self.request_id, e)
+            return
+        self.abort(reason)
+
     def close(self, reason: str | None = "client_disconnect") -> None:
         """Release the subscription and the attachment (once; later calls do nothing). A request that has not
         finished is aborted with reason (None: not at all): at once, or, when its client dropped and others
@@ -300,7 +310,9 @@ class Generation:
         attachments, attachment = self._attachments, self._attachment
         if reason is not None and not self.done and self.aborted is None:
             if attachments is not None and attachment is not None and reason == "client_disconnect":
-                attachments.detach_and_abort_later(self.request_id, attachment, lambda: self.abort(reason))
+                attachments.detach_and_abort_later(
+                    self.request_id, attachment, lambda: self._abort_unless_finished(reason)
+                )
                 attachment = None
             else:
                 self.abort(reason)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from gateway.errors import APIError, bad_request
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody, conversation
@@ -28,32 +28,16 @@ class Prepared:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def meta(self, owner: str) -> RequestMeta:
-        return RequestMeta(
-            request=self.request,
-            chat=self.chat,
-            created=self.created,
-            owner=owner,
-            stop=self.stop,
-            prompt_text=self.prompt_text,
-            echo=self.echo,
-            want_logprobs=self.want_logprobs,
-            include_usage=self.include_usage,
-        )
+        return RequestMeta(owner=owner, **{name: getattr(self, name) for name in _KEPT})
 
     @classmethod
     def from_meta(cls, meta: RequestMeta, *, stream: bool) -> Prepared:
         """The request as it was prepared when it was created, for a client that resumes it."""
-        return cls(
-            request=meta.request,
-            chat=meta.chat,
-            stop=list(meta.stop),
-            prompt_text=meta.prompt_text,
-            echo=meta.echo,
-            want_logprobs=meta.want_logprobs,
-            stream=stream,
-            include_usage=meta.include_usage,
-            created=meta.created,
-        )
+        return cls(stream=stream, **{name: getattr(meta, name) for name in _KEPT})
+
+
+# What the request's record keeps of a Prepared: all of it but how this one client reads it (stream).
+_KEPT = tuple(f.name for f in fields(Prepared) if f.name in RequestMeta.model_fields)
 
 
 def new_request_id(prefix: str) -> str:

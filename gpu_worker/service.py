@@ -228,7 +228,6 @@ class WorkerService:
         # (whose taken entries the next heartbeat trims).
         self.outbox.xack(inbox, WORKER_GROUP, *[entry_id for entry_id, _ in entries])
         self.inbox_last_id = entries[-1][0]
-        self.outbox.flush(self.redis)
         return len(entries)
 
     def _refuse_unreadable(self, entry_id: str, data: str | None, error: CodedError) -> None:

@@ -6,6 +6,7 @@ thread plays the worker (it reads the request off the requests stream and answer
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -40,6 +41,7 @@ from shared.protocol import (
     AbortMessage,
     GenerateRequest,
     Heartbeat,
+    RequestMeta,
     SampleEnd,
     SamplingSpec,
     SchedulerStats,
@@ -978,12 +980,35 @@ def test_a_dropped_stream_resumes_after_its_last_event(make_app, r, keys, tok, h
     assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
     positions = [int(i.rsplit(":", 1)[1]) for i in event_ids(seen + events) if i]
     assert positions == sorted(positions) and positions[-1] == len(ids) + 2  # the usage chunk's
-    # Resumed within the grace: the request was never aborted.
+    # A client that had the usage chunk gets only the end of the stream.
+    after_usage = client.post(CMPL, json=body, headers={"Last-Event-ID": event_ids(events)[-1]})
+    assert sse_events(after_usage.get_data(as_text=True)) == ["data: [DONE]"]
+    # Resumed within the grace, then finished: the request was never aborted.
     time.sleep(GRACE_S + 0.3)
-    assert r.get(keys.abort_flag(rid)) in (None, "client_disconnect")  # (finished by then, at the worst)
+    assert r.get(keys.abort_flag(rid)) is None
     # The same request whole, once more, with the non-stream GET.
     whole = client.get(f"{CMPL}/{rid}").get_json()
     assert whole["id"] == rid and whole["choices"][0]["text"] == expected
+
+
+def test_a_request_record_gives_back_the_request_as_it_was_prepared() -> None:
+    request = GenerateRequest(request_id="c", prompt_token_ids=[1], sampling=SamplingSpec(), arrival_time=1)
+    prepared = Prepared(
+        request=request,
+        chat=True,
+        stop=["x"],
+        prompt_text="hi",
+        echo=True,
+        want_logprobs=True,
+        stream=True,
+        include_usage=True,
+        created=7,
+    )
+    meta = decode(RequestMeta, encode(prepared.meta("owner")))
+    assert meta.owner == "owner"
+    assert Prepared.from_meta(meta, stream=True) == prepared
+    assert Prepared.from_meta(meta, stream=False).stream is False
+    assert set(RequestMeta.model_fields) - {f.name for f in dataclasses.fields(Prepared)} == {"v", "owner"}
 
 
 @pytest.mark.usefixtures("worker")
