@@ -18,7 +18,9 @@ from shared.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
 
-KEEP_ALIVE = ": keep-alive\n\n"
+# A comment line alone, with no blank line after it: a blank line ends an event, and a client that keeps the
+# last event id (as the SSE spec has it) would take one after a comment for an event without data.
+KEEP_ALIVE = ": keep-alive\n"
 DONE = "data: [DONE]\n\n"
 
 

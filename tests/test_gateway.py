@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import redis
 import requests
@@ -215,7 +216,9 @@ def queued(r: redis.Redis, keys: Keys) -> int:
 
 
 def sse_events(body: str) -> list[str]:
-    return [block for block in body.split("\n\n") if block]
+    """The events of a stream, without its comment lines."""
+    lines = (line for line in body.split("\n") if not line.startswith(":"))
+    return [block for block in "\n".join(lines).split("\n\n") if block]
 
 
 def data_of(events: list[str]) -> list[Any]:
@@ -854,9 +857,10 @@ def test_completion_stream_with_keep_alive_and_stop_string(client, r, keys, tok)
     fake = FakeWorker(r, keys, respond)
     fake.start()
     response = client.post(CMPL, json={"prompt": "x", "stream": True, "stop": ["a gam"]})
-    events = sse_events(response.get_data(as_text=True))
+    text = response.get_data(as_text=True)
+    events = sse_events(text)
     fake.join()
-    assert ": keep-alive" in events
+    assert ": keep-alive\n" in text and ": keep-alive\n\n" not in text  # a comment, never an empty event
     assert events[-1] == "data: [DONE]"
     chunks = data_of(events)
     assert all("usage" not in c for c in chunks)
@@ -1116,6 +1120,26 @@ def test_gunicorn_gevent_worker_holds_many_streams_at_once(gunicorn_url, r, keys
     # Counted in the worker process's multiprocess files, summed by the scrape.
     expected = f'vllm:e2e_request_latency_seconds_count{{model_name="SmolLM2-135M-Instruct"}} {count}.0'
     assert expected in metrics
+
+
+def test_the_openai_client_reads_a_stream_that_pauses_mid_way(gunicorn_url, r, keys, tok) -> None:
+    """Keep-alive comments come between events that carry ids: no blank line may follow them, or the client
+    (which keeps the last id) takes the blank line for an event without data."""
+    add_worker(r, keys)
+    ids = tok.encode(" slow and steady")
+
+    def respond(request: GenerateRequest) -> None:
+        emit(r, keys, request.request_id, 0, 0, ids[:1])
+        time.sleep(0.5)  # five keep-alive ticks
+        emit(r, keys, request.request_id, 0, 1, ids[1:], "length")
+
+    fake = FakeWorker(r, keys, respond)
+    fake.start()
+    client = openai.OpenAI(base_url=f"{gunicorn_url}/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == tok.decode(ids)
+    fake.join()
+    assert fake.error is None
 
 
 def test_gunicorn_notices_a_client_that_hangs_up(gunicorn_url, r, keys) -> None:
