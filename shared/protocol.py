@@ -55,6 +55,12 @@ class SamplingSpec(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Prompt logprobs: the logprob of each prompt token after the ones before it, and the top k (None: none).
+    prompt_logprobs: int | None = None
+    # Added to a token's logit before sampling (OpenAI's logit_bias, token id -> bias in [-100, 100]).
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    # Only these tokens may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
 
 
 class GenerateRequest(WireModel):
@@ -124,11 +130,24 @@ class TokenLogprob(BaseModel):
     top: dict[int, float] = Field(default_factory=dict)
 
 
+class RequestTimings(BaseModel):
+    """Where a sample's time went inside its worker (seconds): queued (arrival to first scheduled step),
+    prefill (first scheduled step to first token) and decode (first token to last)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+
+
 class TokenEvent(WireModel):
     """New tokens of one sample (worker → gateway, on the request's channel).
 
     `start` is the position of token_ids[0] in the sample's output, so a receiver drops duplicates and
-    notices gaps. The last event of a sample carries its finish_reason.
+    notices gaps. The last event of a sample carries its finish_reason (and its timings). The first event
+    of a sample (start 0) carries how many prompt tokens were found in the prefix cache and, when asked
+    for, the prompt logprobs (one entry per prompt token; None for the first, which has no context).
     """
 
     request_id: str
@@ -140,6 +159,9 @@ class TokenEvent(WireModel):
     num_prompt_tokens: int
     worker_id: str
     error: WireError | None = None
+    num_cached_tokens: int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    timings: RequestTimings | None = None
 
     @property
     def sample_end(self) -> SampleEnd | None:
@@ -162,6 +184,9 @@ class AbortMessage(WireModel):
     request_id: str
     reason: str = "abort"
 
+
+# Upper bounds of the buckets of a worker's histogram of tokens per engine step (vllm:iteration_tokens_total).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 # Upper bounds (seconds) of the buckets of the scheduler's queue-time histogram.
 QUEUE_TIME_BUCKETS_S = (
@@ -241,6 +266,16 @@ class Heartbeat(WireModel):
     prefix_cache_hit_rate: float = 0.0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # Prefix cache, in tokens since the worker started: looked up (prompt tokens of new sequences) and found.
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    # Tokens per engine step: cumulative counts per ITERATION_TOKENS_BUCKETS bound, then the count above it.
+    iteration_tokens_buckets: list[int] = Field(
+        default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    )
+    iteration_tokens_sum: int = 0
+    dtype: str = ""
+    device: str = ""
 
     def to_hash(self) -> dict[str, str]:
         return _to_hash(self)
