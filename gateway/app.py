@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,11 +16,13 @@ from flask import Flask, Response, jsonify, request
 from gateway import metrics, openapi
 from gateway.attachments import Attachments
 from gateway.backpressure import check_backpressure
+from gateway.cors import Cors
 from gateway.errors import APIError, bad_request, install_error_handlers
 from gateway.event_hub import EventHub
 from gateway.generation import ClientDisconnected, Generation, Limits, peer_closed
-from gateway.prepare import Prepared, check_model, prepare_chat, prepare_completion
-from gateway.request_body import bearer_token, json_body, parse_body, validate
+from gateway.prepare import Prepared, check_model, prepare_chat
+from gateway.prompt_batch import PromptBatch, prepare_prompts
+from gateway.request_body import bearer_token, ignored_fields_header, json_body, parse_body, validate
 from gateway.responses import ResponseFormat
 from gateway.resume import check_cursor, load_request, parse_event_id
 from gateway.schemas import (
@@ -31,7 +34,7 @@ from gateway.schemas import (
     conversation,
 )
 from gateway.settings import GatewaySettings
-from gateway.sse import event_stream
+from gateway.sse import batch_event_stream, event_stream
 from gateway.token_receiver import GenerationError
 from gateway.tokenization import load_tokenizer
 from gateway.worker_watch import WorkerWatch
@@ -43,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 # Probes and scrapers carry no API key.
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/version"})
 # What an SSE client sends back on reconnecting: the id of the last event it received.
 RESUME_HEADER = "Last-Event-ID"
 
@@ -63,6 +66,7 @@ class Gateway:
             client_name=f"{settings.redis_prefix}:gateway",  # CLIENT LIST tells its connections apart
         )
         self.hub = EventHub(self.redis)
+        metrics.declare(self.model_name)
         self.registry = WorkerRegistry(self.redis, self.keys)
         self.tokenizer = load_tokenizer(settings.model, settings.max_model_len)
         self.api_keys = [k.encode() for k in sorted(settings.api_key_set())]
@@ -106,7 +110,10 @@ class Gateway:
             return self._resume(chat=False, event=request.headers[RESUME_HEADER], stream=True)
         body = parse_body(CompletionRequest)
         check_model(body.model, self.model_name)
-        return self._generate(prepare_completion(body, self.tokenizer), arrived)
+        prepared = prepare_prompts(body, self.tokenizer)
+        if len(prepared) == 1:
+            return self._generate(prepared[0], arrived)
+        return self._generate_batch(prepared, arrived)
 
     def chat_completions(self) -> Response:
         arrived = time.monotonic()
@@ -164,7 +171,32 @@ class Gateway:
             raise
         return self._respond(generation)
 
-    def _generation(self, prepared: Prepared, arrived: float) -> Generation:
+    def _generate_batch(self, prepared: list[Prepared], arrived: float) -> Response:
+        """Several prompts: each queued as a request of its own (gateway.prompt_batch), answered as one."""
+        settings = self.settings
+        check_backpressure(
+            self.registry, settings.max_queue_len, settings.heartbeat_ttl_s, num_requests=len(prepared)
+        )
+        batch = PromptBatch(self.redis, prepared, tick_s=self.limits.tick_s)
+        try:
+            for one in prepared:
+                # No attachment: nobody resumes a prompt of a batch, so a client that drops ends them at once.
+                generation = self._generation(one, arrived, wakeup=batch.wakeup, attach=False)
+                batch.add(generation, ResponseFormat(generation, self.tokenizer, self.model_name))
+            batch.submit(self.owner())
+        except BaseException:
+            batch.close(reason=None)
+            raise
+        return self._respond_batch(batch)
+
+    def _generation(
+        self,
+        prepared: Prepared,
+        arrived: float,
+        *,
+        wakeup: threading.Event | None = None,
+        attach: bool = True,
+    ) -> Generation:
         return Generation(
             self.redis,
             self.keys,
@@ -174,9 +206,10 @@ class Gateway:
             limits=self.limits,
             hub=self.hub,
             watch=self.watch,
-            attachments=self.attachments,
+            attachments=self.attachments if attach else None,
             arrived=arrived,
             is_disconnected=peer_closed(request.environ),
+            wakeup=wakeup,
         )
 
     def _respond(self, generation: Generation) -> Response:
@@ -198,6 +231,24 @@ class Gateway:
             generation.close()
         return jsonify(response_format.response())
 
+    def _respond_batch(self, batch: PromptBatch) -> Response:
+        if batch.stream:
+            response = Response(batch_event_stream(batch), mimetype="text/event-stream")
+            response.headers["Cache-Control"] = "no-cache"
+            response.headers["X-Accel-Buffering"] = "no"
+            response.call_on_close(batch.close)
+            return response
+        try:
+            for _ in batch.updates():
+                pass
+        except GenerationError as e:
+            raise APIError.of(e) from e
+        except ClientDisconnected:
+            return Response(status=499)
+        finally:
+            batch.close()
+        return jsonify(batch.response())
+
     # -- models and tokens --------------------------------------------------------------------------
 
     def _model_card(self) -> dict[str, Any]:
@@ -218,16 +269,27 @@ class Gateway:
 
     def tokenize(self) -> Response:
         data = json_body()
+        body: TokenizeChatRequest | TokenizeCompletionRequest
         if "messages" in data:
-            chat = validate(TokenizeChatRequest, data)
+            body = chat = validate(TokenizeChatRequest, data)
             check_model(chat.model, self.model_name)
-            tokens = self.tokenizer.encode_chat(conversation(chat.messages))
+            tokens = self.tokenizer.encode_chat(
+                conversation(chat.messages),
+                add_special_tokens=chat.add_special_tokens,
+                **chat.template_options(),
+            )
         else:
-            plain = validate(TokenizeCompletionRequest, data)
+            body = plain = validate(TokenizeCompletionRequest, data)
             check_model(plain.model, self.model_name)
-            tokens = self.tokenizer.encode(plain.prompt)
-        max_model_len = self.tokenizer.max_model_len
-        return jsonify({"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len})
+            tokens = self.tokenizer.encode(plain.prompt, add_special_tokens=plain.add_special_tokens)
+        return jsonify(
+            {
+                "tokens": tokens,
+                "count": len(tokens),
+                "max_model_len": self.tokenizer.max_model_len,
+                "token_strs": self.tokenizer.token_strs(tokens) if body.return_token_strs else None,
+            }
+        )
 
     def detokenize(self) -> Response:
         body = parse_body(DetokenizeRequest)
@@ -257,6 +319,9 @@ class Gateway:
     def openapi(self) -> Response:
         return jsonify(openapi.document(self.model_name))
 
+    def version(self) -> Response:
+        return jsonify({"version": openapi.VERSION})
+
 
 def create_app(settings: GatewaySettings | None = None) -> Flask:
     """The gateway; settings default to the environment (what gunicorn's workers use)."""
@@ -271,7 +336,11 @@ def create_app(settings: GatewaySettings | None = None) -> Flask:
     gateway = Gateway(settings)
     app.extensions["pagedserve"] = gateway
     install_error_handlers(app)
+    cors = Cors(settings.cors_allowed_origins)
+    app.before_request(cors.preflight)  # first: a browser's preflight carries no API key
     app.before_request(gateway.authenticate)
+    app.after_request(ignored_fields_header)
+    app.after_request(cors.add_headers)
     routes: list[tuple[str, Callable[..., Any], list[str]]] = [
         ("/v1/completions", gateway.completions, ["POST"]),
         ("/v1/chat/completions", gateway.chat_completions, ["POST"]),
@@ -285,6 +354,7 @@ def create_app(settings: GatewaySettings | None = None) -> Flask:
         ("/ready", gateway.ready, ["GET"]),
         ("/metrics", gateway.metrics, ["GET"]),
         ("/openapi.json", gateway.openapi, ["GET"]),
+        ("/version", gateway.version, ["GET"]),
     ]
     for rule, view, methods in routes:
         app.add_url_rule(rule, view.__name__, view, methods=methods)

@@ -9,10 +9,12 @@ from shared.registry import WorkerRegistry
 FULL_QUEUE_RETRY_AFTER_S = 1.0
 
 
-def check_backpressure(registry: WorkerRegistry, max_queue_len: int, no_worker_retry_after_s: float) -> None:
-    """Raises a 503 (with Retry-After) when the queue is full or no worker is live."""
+def check_backpressure(
+    registry: WorkerRegistry, max_queue_len: int, no_worker_retry_after_s: float, num_requests: int = 1
+) -> None:
+    """Raises a 503 (with Retry-After) when the queue has no room for num_requests or no worker is live."""
     stats = registry.scheduler_stats()
-    if stats is not None and stats.num_waiting >= max_queue_len:
+    if stats is not None and stats.num_waiting + num_requests > max_queue_len:
         raise APIError(
             ErrorCode.OVERLOADED,
             f"the server is overloaded ({stats.num_waiting} requests waiting); retry later",

@@ -37,6 +37,8 @@ class Subscription:
     channel: str
     # NOTE: queue.Queue, not SimpleQueue: it waits on threading's primitives, which gevent makes cooperative.
     messages: queue.Queue[str] = field(default_factory=queue.Queue)
+    # Set after each message: one reader of several subscriptions waits on it once for all of them.
+    wakeup: threading.Event | None = None
 
 
 @dataclass(slots=True)
@@ -62,9 +64,9 @@ class EventHub:
         self.epoch = 0  # connections made so far; a change means messages may have been missed
         self.down_since: float | None = None  # while the connection is lost
 
-    def subscribe(self, channel: str, timeout: float) -> Subscription:
+    def subscribe(self, channel: str, timeout: float, wakeup: threading.Event | None = None) -> Subscription:
         """Subscribe and wait for Redis to confirm it; raises redis.TimeoutError when it does not in time."""
-        subscription = Subscription(channel)
+        subscription = Subscription(channel, wakeup=wakeup)
         with self._lock:
             known = self._channels.get(channel)
             if known is None:
@@ -147,5 +149,7 @@ class EventHub:
         if message["type"] == "message":
             for reader in readers:
                 reader.messages.put(message["data"])
+                if reader.wakeup is not None:  # after the put: a reader woken finds the message
+                    reader.wakeup.set()
         elif message["type"] == "subscribe":
             known.confirmed.set()

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from gateway.tokenization import Tokenizer
 from gateway.worker_watch import WorkerWatch
 from shared.errors import ErrorCode
 from shared.keys import REQUESTS_STREAM_MAXLEN, Keys
-from shared.protocol import AbortMessage, encode
+from shared.protocol import AbortMessage, RequestTimings, encode
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Generation:
         attachments: Attachments | None = None,
         arrived: float | None = None,
         is_disconnected: Callable[[], bool] = lambda: False,
+        wakeup: threading.Event | None = None,
     ) -> None:
         self.request = prepared.request
         self.prepared = prepared
@@ -118,14 +120,23 @@ class Generation:
                 tokenizer.detokenizer(self.request.prompt_token_ids),
                 prepared.stop,
                 prepared.want_logprobs,
+                stop_token_ids=self.request.sampling.stop_token_ids,
+                include_stop_str=prepared.include_stop_str_in_output,
             )
             for i in range(n)
         ]
         self._last_token_at: list[float | None] = [None] * n
+        self._timings: list[RequestTimings] = []  # of the samples that ended, as their workers measured them
         self._first_token_seen = False
         self.aborted: str | None = None
         self._receiver = TokenReceiver(
-            client, keys, self.request.request_id, n, hub=hub, outage_grace_s=limits.redis_outage_grace_s
+            client,
+            keys,
+            self.request.request_id,
+            n,
+            hub=hub,
+            outage_grace_s=limits.redis_outage_grace_s,
+            wakeup=wakeup,
         )
         if attachments is not None:
             try:
@@ -143,6 +154,15 @@ class Generation:
         return all(s.finished for s in self.samples)
 
     @property
+    def pending(self) -> bool:
+        """Events have arrived that step() has not taken yet."""
+        return self._receiver.pending
+
+    @property
+    def connected(self) -> bool:
+        return self._receiver.connected
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
 
@@ -150,10 +170,18 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(s.num_tokens for s in self.samples)
 
-    def submit(self, owner: str = "") -> None:
-        """Queue the request, with the record of it a resumed stream reads (one MULTI)."""
+    @property
+    def deadline(self) -> float:
+        """When the request times out (time.monotonic())."""
+        return self._deadline
+
+    def submit(self, owner: str = "", pipe: redis.client.Pipeline | None = None) -> None:
+        """Queue the request, with the record of it a resumed stream reads (one MULTI; with pipe, the caller's
+        pipeline, which the caller executes)."""
         rid = self.request_id
-        pipe = self._client.pipeline(transaction=True)
+        own = pipe is None
+        if pipe is None:
+            pipe = self._client.pipeline(transaction=True)
         pipe.set(
             self._keys.request_meta(rid), encode(self.prepared.meta(owner)), ex=self._limits.request_ttl_s
         )
@@ -163,7 +191,8 @@ class Generation:
             maxlen=REQUESTS_STREAM_MAXLEN,
             approximate=True,
         )
-        pipe.execute()
+        if own:
+            pipe.execute()
 
     def updates(self) -> Iterator[list[SampleOutput]]:
         """Each batch of samples that changed; an empty list after every tick_s without events.
@@ -174,30 +203,39 @@ class Generation:
         if self.reattached:
             yield list(self.samples)
         while not self.done:
-            now = time.monotonic()
-            if now >= self._deadline:
-                self.abort("timeout")
-                limit = self._deadline - self._arrived
-                raise GenerationTimeout(f"the request did not finish within {limit:g} s")
-            if self._is_disconnected():
-                self.close()
-                raise ClientDisconnected(self.request_id)
-            self._renew(now)
-            try:
-                batch = self._receiver.poll(min(self._limits.tick_s, self._deadline - now))
-                if not batch and self._receiver.connected:  # (a Redis away has a grace of its own)
-                    self._check_workers()
-            except GenerationError:
-                self.abort("error")
-                raise
-            if not batch:
+            changed = self.step(self._limits.tick_s)
+            if changed is None:
                 yield []
-                continue
-            changed = self._apply(batch)
-            if self.done:
-                self._finished()
-            if changed:
+            elif changed:
                 yield changed
+
+    def step(self, wait_s: float) -> list[SampleOutput] | None:
+        """Take the events that arrive within wait_s: the samples they changed, or None when none came.
+
+        Raises as updates() does.
+        """
+        now = time.monotonic()
+        if now >= self._deadline:
+            self.abort("timeout")
+            limit = self._deadline - self._arrived
+            raise GenerationTimeout(f"the request did not finish within {limit:g} s")
+        if self._is_disconnected():
+            self.close()
+            raise ClientDisconnected(self.request_id)
+        self._renew(now)
+        try:
+            batch = self._receiver.poll(min(wait_s, self._deadline - now))
+            if not batch and self._receiver.connected:  # (a Redis away has a grace of its own)
+                self._check_workers()
+        except GenerationError:
+            self.abort("error")
+            raise
+        if not batch:
+            return None
+        changed = self._apply(batch)
+        if self.done:
+            self._finished()
+        return changed
 
     def replay(self, cursor: list[int] | None) -> None:
         """Attach to the request as it is: feed what the client already has (cursor: per sample, the position
@@ -254,6 +292,8 @@ class Generation:
                 continue
             self._observe(tokens)
             sample.add(tokens)
+            if tokens.timings is not None:
+                self._timings.append(tokens.timings)
             changed[sample.index] = sample
         return list(changed.values())
 
@@ -266,6 +306,7 @@ class Generation:
         last = self._last_token_at[tokens.index]
         if last is not None:
             metrics.INTER_TOKEN_LATENCY.labels(**self._labels).observe(tokens.arrived_at - last)
+            metrics.TIME_PER_OUTPUT_TOKEN.labels(**self._labels).observe(tokens.arrived_at - last)
         self._last_token_at[tokens.index] = tokens.arrived_at
 
     def _finished(self) -> None:
@@ -273,8 +314,26 @@ class Generation:
             metrics.E2E_REQUEST_LATENCY.labels(**self._labels).observe(time.monotonic() - self._arrived)
             for sample in self.samples:
                 metrics.REQUEST_SUCCESS.labels(finished_reason=sample.finish_reason, **self._labels).inc()
+            self._observe_request()
         if any(s.stopped_here for s in self.samples) and not self._receiver.done:
             self.abort("stop")
+
+    def _observe_request(self) -> None:
+        """The per-request histograms of a request that finished here."""
+        labels = self._labels
+        sampling = self.request.sampling
+        metrics.REQUEST_PROMPT_TOKENS.labels(**labels).observe(self.num_prompt_tokens)
+        metrics.REQUEST_GENERATION_TOKENS.labels(**labels).observe(self.num_completion_tokens)
+        metrics.REQUEST_PARAMS_N.labels(**labels).observe(sampling.n)
+        if sampling.max_tokens is not None:
+            metrics.REQUEST_PARAMS_MAX_TOKENS.labels(**labels).observe(sampling.max_tokens)
+        if self._timings:  # (none when every sample ended by a stop string before its worker's end came)
+            # The samples share their prompt's prefill; the request decodes until its last sample ends.
+            prefill = min(t.prefill_s for t in self._timings)
+            decode = max(t.decode_s for t in self._timings)
+            metrics.REQUEST_PREFILL_TIME.labels(**labels).observe(prefill)
+            metrics.REQUEST_DECODE_TIME.labels(**labels).observe(decode)
+            metrics.REQUEST_INFERENCE_TIME.labels(**labels).observe(prefill + decode)
 
     def abort(self, reason: str) -> None:
         """Tell the scheduler and the workers to drop the request (once; later calls do nothing)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import redis
 from prometheus_client import (
@@ -23,7 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from shared.protocol import QUEUE_TIME_BUCKETS_S
+from shared.protocol import ITERATION_TOKENS_BUCKETS, QUEUE_TIME_BUCKETS_S, Heartbeat, SchedulerStats
 from shared.registry import WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,9 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LABELS = ["model_name"]
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+# Token counts: 1, 2, 5, 10, 20, 50, ... up to past any model's context.
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
+_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 
 # Measured in this process; exposed from here alone, or summed over processes from the multiprocess files.
 _local = CollectorRegistry(auto_describe=True)
@@ -57,12 +60,85 @@ E2E_REQUEST_LATENCY = Histogram(
     buckets=_E2E_BUCKETS,
     registry=_local,
 )
+# Deprecated in vLLM for inter_token_latency_seconds, which it equals; kept for dashboards that read it.
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "vllm:time_per_output_token_seconds",
+    "Time between successive output tokens of a sample (the same as vllm:inter_token_latency_seconds).",
+    LABELS,
+    buckets=_LATENCY_BUCKETS,
+    registry=_local,
+)
+REQUEST_PROMPT_TOKENS = Histogram(
+    "vllm:request_prompt_tokens",
+    "Prompt tokens of each finished request.",
+    LABELS,
+    buckets=_TOKEN_BUCKETS,
+    registry=_local,
+)
+REQUEST_GENERATION_TOKENS = Histogram(
+    "vllm:request_generation_tokens",
+    "Output tokens of each finished request (all its samples).",
+    LABELS,
+    buckets=_TOKEN_BUCKETS,
+    registry=_local,
+)
+REQUEST_PARAMS_N = Histogram(
+    "vllm:request_params_n", "The n of each finished request.", LABELS, buckets=_N_BUCKETS, registry=_local
+)
+REQUEST_PARAMS_MAX_TOKENS = Histogram(
+    "vllm:request_params_max_tokens",
+    "The max_tokens of each finished request (the room left in the context when it gave none).",
+    LABELS,
+    buckets=_TOKEN_BUCKETS,
+    registry=_local,
+)
+REQUEST_INFERENCE_TIME = Histogram(
+    "vllm:request_inference_time_seconds",
+    "Time a finished request spent running on its worker: prefill plus decode.",
+    LABELS,
+    buckets=_E2E_BUCKETS,
+    registry=_local,
+)
+REQUEST_PREFILL_TIME = Histogram(
+    "vllm:request_prefill_time_seconds",
+    "Time from a request's first scheduled step on its worker to its first token.",
+    LABELS,
+    buckets=_E2E_BUCKETS,
+    registry=_local,
+)
+REQUEST_DECODE_TIME = Histogram(
+    "vllm:request_decode_time_seconds",
+    "Time from a request's first token to its last, on its worker (the longest of its samples).",
+    LABELS,
+    buckets=_E2E_BUCKETS,
+    registry=_local,
+)
 REQUEST_SUCCESS = Counter(
     "vllm:request_success",
     "Requests that finished, by the finish reason of their samples.",
     [*LABELS, "finished_reason"],
     registry=_local,
 )
+
+
+def declare(model_name: str) -> None:
+    """Create this process's series of the model (at zero), so a scrape shows them before any request ends."""
+    for metric in (
+        TIME_TO_FIRST_TOKEN,
+        INTER_TOKEN_LATENCY,
+        TIME_PER_OUTPUT_TOKEN,
+        E2E_REQUEST_LATENCY,
+        REQUEST_PROMPT_TOKENS,
+        REQUEST_GENERATION_TOKENS,
+        REQUEST_PARAMS_N,
+        REQUEST_PARAMS_MAX_TOKENS,
+        REQUEST_INFERENCE_TIME,
+        REQUEST_PREFILL_TIME,
+        REQUEST_DECODE_TIME,
+    ):
+        metric.labels(model_name=model_name)
+    for reason in ("stop", "length", "abort"):
+        REQUEST_SUCCESS.labels(model_name=model_name, finished_reason=reason)
 
 
 class _Local:
@@ -73,7 +149,10 @@ class _Local:
 
 
 class ClusterCollector:
-    """Worker and scheduler gauges and counters, read from their heartbeats at scrape time."""
+    """Worker and scheduler gauges, counters and histograms, read from their heartbeats at scrape time.
+
+    A worker's figures carry its id in the `worker` label; they lag by at most one heartbeat.
+    """
 
     def __init__(self, registry: WorkerRegistry, model_name: str) -> None:
         self._registry = registry
@@ -86,29 +165,90 @@ class ClusterCollector:
         except redis.RedisError as e:
             logger.warning("metrics: Redis unavailable: %s", e)
             return
+        yield from self._worker_metrics(beats)
+        yield from self._scheduler_metrics(stats, len(beats))
+
+    def _worker_metrics(self, beats: list[Heartbeat]) -> Iterator[Metric]:
         labels = ["model_name", "worker"]
-        running = GaugeMetricFamily(
-            "vllm:num_requests_running", "Requests in a worker's batch.", labels=labels
+
+        def family(
+            kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+            name: str,
+            documentation: str,
+            value: Callable[[Heartbeat], float],
+        ) -> Metric:
+            metric = kind(name, documentation, labels=labels)
+            for beat in beats:
+                metric.add_metric([self._model_name, beat.worker_id], value(beat))
+            return metric
+
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield family(
+            gauge, "vllm:num_requests_running", "Requests in a worker's batch.", lambda b: b.num_running
         )
-        waiting = GaugeMetricFamily(
-            "vllm:num_requests_waiting", "Requests queued inside a worker.", labels=labels
+        yield family(
+            gauge, "vllm:num_requests_waiting", "Requests queued inside a worker.", lambda b: b.num_waiting
         )
-        usage = GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (1 = full).", labels=labels
+        for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):  # the second: vLLM's old name
+            yield family(gauge, name, "Fraction of a worker's KV blocks in use (1 = full).", _kv_usage)
+        yield family(
+            counter,
+            "vllm:prompt_tokens",
+            "Prompt tokens a worker has processed.",
+            lambda b: b.prompt_tokens_total,
         )
-        prompt = CounterMetricFamily(
-            "vllm:prompt_tokens", "Prompt tokens a worker has processed.", labels=labels
+        yield family(
+            counter,
+            "vllm:generation_tokens",
+            "Tokens a worker has generated.",
+            lambda b: b.generation_tokens_total,
         )
-        generation = CounterMetricFamily(
-            "vllm:generation_tokens", "Tokens a worker has generated.", labels=labels
+        for prefix in ("vllm:", "vllm:gpu_"):  # the second: vLLM's old names
+            yield family(
+                counter,
+                f"{prefix}prefix_cache_queries",
+                "Prompt tokens a worker looked up in its prefix cache.",
+                lambda b: b.prefix_cache_queries_total,
+            )
+            yield family(
+                counter,
+                f"{prefix}prefix_cache_hits",
+                "Prompt tokens a worker found in its prefix cache.",
+                lambda b: b.prefix_cache_hits_total,
+            )
+        yield family(
+            counter,
+            "vllm:num_preemptions",
+            "Sequences a worker preempted (freed their blocks, to recompute them later).",
+            lambda b: b.num_preemptions,
+        )
+        iteration = HistogramMetricFamily(
+            "vllm:iteration_tokens_total",
+            "Tokens per engine step of a worker: prompt tokens computed plus tokens sampled.",
+            labels=labels,
+        )
+        bounds = [*(str(float(b)) for b in ITERATION_TOKENS_BUCKETS), "+Inf"]
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "A worker's KV cache configuration (in the labels; the value is 1).",
+            labels=[*labels, "block_size", "num_gpu_blocks", "cache_dtype", "device", "max_model_len"],
         )
         for beat in beats:
             values = [self._model_name, beat.worker_id]
-            running.add_metric(values, beat.num_running)
-            waiting.add_metric(values, beat.num_waiting)
-            usage.add_metric(values, 1.0 - beat.free_blocks / beat.total_blocks if beat.total_blocks else 0.0)
-            prompt.add_metric(values, beat.prompt_tokens_total)
-            generation.add_metric(values, beat.generation_tokens_total)
+            buckets = list(zip(bounds, (float(c) for c in beat.iteration_tokens_buckets)))
+            iteration.add_metric(values, buckets, float(beat.iteration_tokens_sum))
+            config = [
+                str(beat.block_size),
+                str(beat.total_blocks),
+                beat.dtype,
+                beat.device,
+                str(beat.max_model_len),
+            ]
+            info.add_metric([*values, *config], 1.0)
+        yield iteration
+        yield info
+
+    def _scheduler_metrics(self, stats: SchedulerStats | None, num_live: int) -> Iterator[Metric]:
         queued = GaugeMetricFamily(
             "pagedserve:scheduler_num_requests_waiting",
             "Requests queued in the scheduler, not yet assigned to a worker.",
@@ -118,7 +258,7 @@ class ClusterCollector:
         live = GaugeMetricFamily(
             "pagedserve:num_live_workers", "Workers with a live heartbeat.", labels=LABELS
         )
-        live.add_metric([self._model_name], len(beats))
+        live.add_metric([self._model_name], num_live)
         queue_time = HistogramMetricFamily(
             "vllm:request_queue_time_seconds",
             "Time from a request's entry in the requests stream to its worker's inbox (by Redis's clock).",
@@ -129,7 +269,11 @@ class ClusterCollector:
             queue_time.add_metric(
                 [self._model_name], list(zip(bounds, stats.queue_time_buckets)), stats.queue_time_sum_s
             )
-        yield from (running, waiting, usage, prompt, generation, queued, live, queue_time)
+        yield from (queued, live, queue_time)
+
+
+def _kv_usage(beat: Heartbeat) -> float:
+    return 1.0 - beat.free_blocks / beat.total_blocks if beat.total_blocks else 0.0
 
 
 def render(registry: WorkerRegistry, model_name: str) -> tuple[bytes, str]:

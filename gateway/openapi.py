@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import cache
+from importlib import metadata
 from typing import Any
 
 from pydantic import BaseModel
@@ -17,6 +18,16 @@ from gateway.schemas import (
 )
 
 Json = dict[str, Any]
+
+
+def _package_version() -> str:
+    try:
+        return metadata.version("pagedserve")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0.0.0"
+
+
+VERSION = _package_version()
 
 _ERROR = {
     "type": "object",
@@ -70,13 +81,24 @@ _RESUME_HEADER = {
 }
 
 
+_IGNORED_FIELDS = {
+    "X-Ignored-Fields": {
+        "description": (
+            "the fields of the body that the server does not know and ignored, as dotted paths "
+            "(`foo, messages.0.bar`; the first 32); absent when there were none"
+        ),
+        "schema": {"type": "string"},
+    }
+}
+
+
 def _post(
     summary: str, body: Json, ok: Json, *statuses: int, secured: bool = True, resumable: bool = False
 ) -> Json:
     operation: Json = {
         "summary": summary,
         "requestBody": {"required": not resumable, "content": {"application/json": {"schema": body}}},
-        "responses": {"200": ok, **_errors(*statuses)},
+        "responses": {"200": {**ok, "headers": _IGNORED_FIELDS}, **_errors(*statuses)},
     }
     if resumable:
         operation["parameters"] = [_RESUME_HEADER]
@@ -151,7 +173,8 @@ def document(model_name: str) -> Json:
             "text/event-stream": {"schema": {"type": "string"}},
         },
     }
-    tokenize_body = {"oneOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]}
+    # A body with messages is a chat one (unknown fields such as a prompt beside them are ignored).
+    tokenize_body = {"anyOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]}
     paths = {
         "/v1/completions": _post(
             "Complete a prompt", _ref("CompletionRequest"), streamed, *_GENERATION_ERRORS, resumable=True
@@ -179,7 +202,7 @@ def document(model_name: str) -> Json:
         "/tokenize": _post(
             "Token ids of a prompt or of a conversation's chat template",
             tokenize_body,
-            _json(_OBJECT, "tokens, count and max_model_len"),
+            _json(_OBJECT, "tokens, count, max_model_len and token_strs (null unless return_token_strs)"),
             *(400, 401, 413, 415),
         ),
         "/detokenize": _post(
@@ -192,12 +215,13 @@ def document(model_name: str) -> Json:
             {"description": "exposition text", "content": {"text/plain": {"schema": {"type": "string"}}}},
         ),
         "/openapi.json": _get("This document", _json(_OBJECT, "OpenAPI 3 document")),
+        "/version": _get("The server's version", _json(_OBJECT, "`version`: the package's version")),
     }
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "pagedserve",
-            "version": "0.1.0",
+            "version": VERSION,
             "description": f"OpenAI-compatible API serving {model_name} with PagedAttention.",
         },
         "paths": paths,

@@ -1,11 +1,13 @@
-"""One sample's output as its tokens arrive: text in whole characters, cut at the first stop string."""
+"""One sample's output as its tokens arrive: text in whole characters, ended by a stop string or token."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from gateway.token_receiver import SampleTokens
 from gateway.tokenization import IncrementalDetokenizer
+from shared.protocol import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -22,22 +24,41 @@ class SampleOutput:
     """The text, token count and logprobs of one sample, and what of them the client has been sent.
 
     While streaming, the last len(longest stop string) - 1 characters are held back: they may be the
-    start of a stop string that the next tokens complete, and a stop string is never shown.
+    start of a stop string that the next tokens complete, and a stop string is never shown (unless
+    include_stop_str: then the text ends right after it, and nothing need be held back).
+
+    A token of stop_token_ids ends the sample on its worker, so it is known for the last one as it arrives:
+    it is counted and has its logprobs, but its text is left out (unless include_stop_str). The EOS token
+    needs no such care: it is a special token, whose text the detokenizer skips.
     """
 
     def __init__(
-        self, index: int, detokenizer: IncrementalDetokenizer, stop: list[str], want_logprobs: bool
+        self,
+        index: int,
+        detokenizer: IncrementalDetokenizer,
+        stop: list[str],
+        want_logprobs: bool,
+        *,
+        stop_token_ids: Collection[int] = (),
+        include_stop_str: bool = False,
     ) -> None:
         self.index = index
         self._detokenizer = detokenizer
         self._stop = stop
-        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._search_back = max((len(s) for s in stop), default=1) - 1
+        self._holdback = 0 if include_stop_str else self._search_back
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._include_stop_str = include_stop_str
         self._want_logprobs = want_logprobs
         self.text = ""
         self.num_tokens = 0
         self.logprobs: list[LogprobEntry] = []
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop string or stop token id that ended it
         self.stopped_here = False  # a stop string ended it here; its worker may still be generating
+        # From the sample's first event (None: not known, as when it was read back from the token record).
+        self.num_cached_tokens: int | None = None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self._sent_chars = 0
         self._sent_logprobs = 0
         self._finish_sent = False
@@ -52,7 +73,16 @@ class SampleOutput:
         the chunk that ends it. A stream's event ids carry it, and a resumed stream starts after it."""
         return self.num_tokens + int(self._finish_sent)
 
+    @property
+    def sent_nothing(self) -> bool:
+        """Nothing of the sample has been taken yet: its client has had none of it."""
+        return self._sent_chars == 0 and self._sent_logprobs == 0 and not self._finish_sent
+
     def add(self, tokens: SampleTokens) -> None:
+        if tokens.num_cached_tokens is not None:
+            self.num_cached_tokens = tokens.num_cached_tokens
+        if tokens.prompt_logprobs is not None:
+            self.prompt_logprobs = tokens.prompt_logprobs
         for token_id, logprob in zip(tokens.token_ids, tokens.logprobs):
             if self.finished:
                 return
@@ -66,6 +96,10 @@ class SampleOutput:
                         len(self.text),
                     )
                 )
+            if token_id in self._stop_token_ids:
+                self.stop_reason = token_id
+                if not self._include_stop_str:
+                    continue
             self._append(self._detokenizer.add(token_id))
         if tokens.finish_reason is not None and not self.finished:
             self._append(self._detokenizer.flush())
@@ -77,13 +111,16 @@ class SampleOutput:
             return
         # A stop string found now ends in the new text, so it starts at most len(stop) - 1 characters
         # before it: earlier text was already searched.
-        search_from = max(0, len(self.text) - self._holdback)
+        search_from = max(0, len(self.text) - self._search_back)
         self.text += new
-        cut = min((i for s in self._stop if (i := self.text.find(s, search_from)) >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
+        if found:
+            start, stop = min(found, key=lambda hit: (hit[0], len(hit[1])))
+            cut = start + len(stop) if self._include_stop_str else start
             assert cut >= self._sent_chars, "held-back text must cover any stop string"
             self.text = self.text[:cut]
             self.finish_reason = "stop"
+            self.stop_reason = stop
             self.stopped_here = True
 
     def take(self) -> tuple[str, list[LogprobEntry]]:

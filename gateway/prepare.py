@@ -25,6 +25,9 @@ class Prepared:
     want_logprobs: bool = False
     stream: bool = False
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # each choice's prompt_logprobs, with the top k (None: none)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def meta(self, owner: str) -> RequestMeta:
@@ -57,12 +60,19 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepare
     if isinstance(body.prompt, str):
         prompt_text, prompt_ids = body.prompt, tokenizer.encode(body.prompt)
     else:
-        tokenizer.check_ids(body.prompt, "prompt")
-        prompt_ids = list(body.prompt)
+        prompt_ids = [t for t in body.prompt if isinstance(t, int)]
+        assert len(prompt_ids) == len(body.prompt), "one prompt at a time (gateway.prompt_batch splits lists)"
+        tokenizer.check_ids(prompt_ids, "prompt")
         prompt_text = tokenizer.decode(prompt_ids) if body.echo else ""
     if not prompt_ids:
         raise bad_request("the prompt is empty", param="prompt")
+    num_given = len(prompt_ids)
+    prompt_ids = _truncate(prompt_ids, body.truncate_prompt_tokens, tokenizer)
+    if body.echo and len(prompt_ids) < num_given:
+        prompt_text = tokenizer.decode(prompt_ids)  # the echo is the prompt the model saw
     sampling = _sampling(body, body.max_tokens, body.logprobs, len(prompt_ids), tokenizer)
+    # Echo with logprobs shows the prompt's tokens with theirs, as vLLM does.
+    sampling.prompt_logprobs = _most(body.logprobs if body.echo else None, _prompt_logprobs(body))
     return Prepared(
         request=_request("cmpl", prompt_ids, sampling, body.priority),
         chat=False,
@@ -72,24 +82,59 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepare
         want_logprobs=body.logprobs is not None,
         stream=body.stream,
         include_usage=body.include_usage,
+        continuous_usage_stats=body.continuous_usage_stats,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        prompt_logprobs=_prompt_logprobs(body),
     )
 
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> Prepared:
-    prompt_ids = tokenizer.encode_chat(conversation(body.messages))
+    prompt_ids = tokenizer.encode_chat(conversation(body.messages), **body.template_options())
     if not prompt_ids:
         raise bad_request("the messages make an empty prompt", param="messages")
+    prompt_ids = _truncate(prompt_ids, body.truncate_prompt_tokens, tokenizer)
+    # Echo: the response starts with the final message when it is the assistant's (the one it continues).
+    echo = body.echo and body.messages[-1].role == "assistant"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = _sampling(body, max_tokens, logprobs, len(prompt_ids), tokenizer)
+    sampling.prompt_logprobs = _prompt_logprobs(body)
     return Prepared(
         request=_request("chatcmpl", prompt_ids, sampling, body.priority),
         chat=True,
         stop=body.stop_strings,
+        prompt_text=body.messages[-1].text() if echo else "",
+        echo=echo,
         want_logprobs=body.logprobs,
         stream=body.stream,
         include_usage=body.include_usage,
+        continuous_usage_stats=body.continuous_usage_stats,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        prompt_logprobs=_prompt_logprobs(body),
     )
+
+
+def _prompt_logprobs(body: SamplingBody) -> int | None:
+    """The prompt_logprobs a response shows: none in a stream (where only 0 is accepted), as in vLLM."""
+    return None if body.stream else body.prompt_logprobs
+
+
+def _most(*counts: int | None) -> int | None:
+    """The largest of the logprob counts asked for (None: none was)."""
+    return max((c for c in counts if c is not None), default=None)
+
+
+def _truncate(prompt_ids: list[int], keep: int | None, tokenizer: Tokenizer) -> list[int]:
+    """The last `keep` prompt tokens (vLLM's truncate_prompt_tokens; -1: as many as the model's context)."""
+    if keep is None:
+        return prompt_ids
+    limit = tokenizer.max_model_len
+    if keep > limit:
+        raise bad_request(
+            f"truncate_prompt_tokens ({keep}) is more than the model's context of {limit} tokens",
+            param="truncate_prompt_tokens",
+        )
+    return prompt_ids[-limit:] if keep == -1 else prompt_ids[-keep:]
 
 
 def _sampling(
@@ -120,6 +165,9 @@ def _sampling(
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) is more than {param} ({max_tokens})", "min_tokens")
     tokenizer.check_ids(body.stop_token_ids, "stop_token_ids")
+    tokenizer.check_ids(list(body.logit_bias), "logit_bias")
+    if body.allowed_token_ids is not None:
+        tokenizer.check_ids(body.allowed_token_ids, "allowed_token_ids")
     return SamplingSpec(
         n=body.n,
         temperature=body.temperature,
@@ -135,6 +183,8 @@ def _sampling(
         stop_token_ids=list(body.stop_token_ids),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        logit_bias=dict(body.logit_bias),
+        allowed_token_ids=None if body.allowed_token_ids is None else list(body.allowed_token_ids),
     )
 
 

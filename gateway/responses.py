@@ -21,23 +21,48 @@ def _finite(logprob: float | None) -> float | None:
     return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
 
 
-def _best_first(top: dict[int, float]) -> list[tuple[int, float]]:
-    return sorted(top.items(), key=lambda item: -item[1])
+def _best_first(top: dict[int, float], k: int | None = None) -> list[tuple[int, float]]:
+    ranked = sorted(top.items(), key=lambda item: -item[1])
+    return ranked if k is None else ranked[:k]
 
 
 def usage(generation: Generation) -> Json:
+    """The tokens so far; cached_tokens: the prompt tokens a worker found in its prefix cache (the samples
+    share one prompt, so the most any sample's worker found; 0 when no first event said)."""
     prompt, completion = generation.num_prompt_tokens, generation.num_completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = max((s.num_cached_tokens or 0 for s in generation.samples), default=0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 class ResponseFormat:
-    """The OpenAI shape of one request's output: chat completions or completions, as it was asked."""
+    """The OpenAI shape of one request's output: chat completions or completions, as it was asked, with
+    vLLM's additions (stop_reason, prompt_logprobs, continuous usage stats).
+
+    Prompt logprobs come with each sample's first event. A stream resumed from the token record (a client
+    that reconnects, or a GET of the request) has not seen that event: it shows prompt_logprobs as null, and
+    an echoed prompt's tokens with null logprobs.
+    """
 
     def __init__(self, generation: Generation, tokenizer: Tokenizer, model: str) -> None:
         self._generation = generation
         self._tokenizer = tokenizer
         self._chat = chat = generation.prepared.chat
-        self._include_usage = generation.prepared.include_usage
+        prepared = generation.prepared
+        self._include_usage = prepared.include_usage
+        self._continuous_usage = prepared.include_usage and prepared.continuous_usage_stats
+        self._num_logprobs = prepared.request.sampling.logprobs or 0
+        # Echo with logprobs: a sample's prompt goes out with its first chunk, which brings the prompt's
+        # logprobs (as vLLM streams it); a sample its client has had nothing of (resumed or not) needs it.
+        self._echo_first = prepared.echo and prepared.want_logprobs and not chat
+        self._echo_pending = (
+            {s.index for s in generation.samples if s.sent_nothing} if self._echo_first else set()
+        )
+        self._prompt_offsets: list[int] | None = None
         self._head = {
             "id": generation.request_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -50,15 +75,28 @@ class ResponseFormat:
     def response(self) -> Json:
         choices = []
         prepared = self._generation.prepared
-        for sample in self._generation.samples:
-            logprobs = self._logprobs(sample.logprobs) if prepared.want_logprobs else None
+        samples = self._generation.samples
+        for sample in samples:
+            logprobs = None
+            if prepared.want_logprobs:
+                logprobs = self._logprobs(sample.logprobs, sample if prepared.echo else None)
             choice: Json = {"index": sample.index}
             if self._chat:
-                choice["message"] = {"role": "assistant", "content": sample.text}
+                echoed = prepared.prompt_text if prepared.echo else ""  # the assistant message it continues
+                choice["message"] = {"role": "assistant", "content": echoed + sample.text}
             else:
                 choice["text"] = (prepared.prompt_text if prepared.echo else "") + sample.text
-            choices.append({**choice, "logprobs": logprobs, "finish_reason": sample.finish_reason})
-        return {**self._head, "choices": choices, "usage": usage(self._generation)}
+            choice.update(
+                logprobs=logprobs, finish_reason=sample.finish_reason, stop_reason=sample.stop_reason
+            )
+            if not self._chat:
+                choice["prompt_logprobs"] = self._prompt_logprobs(sample)
+            choices.append(choice)
+        whole: Json = {**self._head, "choices": choices, "usage": usage(self._generation)}
+        if self._chat:  # vLLM gives a chat completion's prompt_logprobs once, beside its choices
+            known = [s for s in samples if s.prompt_logprobs is not None]
+            whole["prompt_logprobs"] = self._prompt_logprobs(known[0] if known else samples[0])
+        return whole
 
     # -- stream chunks ----------------------------------------------------------------------------------
 
@@ -67,25 +105,37 @@ class ResponseFormat:
         prepared = self._generation.prepared
         samples = self._generation.samples
         if self._chat:
-            return [self._chunk(s.index, {"role": "assistant", "content": ""}, None, None) for s in samples]
-        if prepared.echo:
+            echoed = prepared.prompt_text if prepared.echo else ""
+            return [
+                self._chunk(s.index, {"role": "assistant", "content": echoed}, None, None) for s in samples
+            ]
+        if prepared.echo and not self._echo_first:
             return [self._chunk(s.index, prepared.prompt_text, None, None) for s in samples]
         return []
 
     def sample_chunks(self, sample: SampleOutput) -> list[tuple[Json, list[int]]]:
-        """What changed in a sample since its last chunk: new text (and logprobs), then its end; each chunk
-        with the cursor a client has reached once it has it (see gateway.resume)."""
+        """What changed in a sample since its last chunk: new text (and logprobs), and its end with its last
+        text, as vLLM streams it; with the cursor a client has reached once it has it (see gateway.resume)."""
         text, entries = sample.take()
-        chunks = []
-        want_logprobs = self._generation.prepared.want_logprobs
-        if text or (entries and want_logprobs):
-            logprobs = self._logprobs(entries) if want_logprobs else None
-            content: Json | str = {"content": text} if self._chat else text
-            chunks.append((self._chunk(sample.index, content, logprobs, None), self.cursor()))
         reason = sample.take_finish()
-        if reason is not None:
-            chunks.append((self._chunk(sample.index, {} if self._chat else "", None, reason), self.cursor()))
-        return chunks
+        prepared = self._generation.prepared
+        want_logprobs = prepared.want_logprobs
+        # (A sample that has sent nothing yet waits for its first tokens, and the prompt logprobs with them.)
+        echo = sample.index in self._echo_pending and (sample.num_tokens > 0 or sample.finished)
+        news = bool(text or (entries and want_logprobs) or echo)
+        if not news and reason is None:
+            return []
+        logprobs = None
+        if news and want_logprobs:
+            logprobs = self._logprobs(entries, sample if echo else None)
+        if echo:
+            text = prepared.prompt_text + text
+            self._echo_pending.discard(sample.index)
+        content: Json | str = text
+        if self._chat:
+            content = {"content": text} if news else {}
+        stop_reason = sample.stop_reason if reason is not None else None
+        return [(self._chunk(sample.index, content, logprobs, reason, stop_reason), self.cursor())]
 
     def cursor(self) -> list[int]:
         return [s.position for s in self._generation.samples]
@@ -103,27 +153,98 @@ class ResponseFormat:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self._chat else "text_completion"
 
-    def _chunk(self, index: int, content: Json | str, logprobs: Json | None, reason: str | None) -> Json:
+    def _chunk(
+        self,
+        index: int,
+        content: Json | str,
+        logprobs: Json | None,
+        reason: str | None,
+        stop_reason: int | str | None = None,
+    ) -> Json:
         choice: Json = {"index": index}
         choice["delta" if self._chat else "text"] = content
-        choice.update(logprobs=logprobs, finish_reason=reason)
+        choice.update(logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason)
         chunk: Json = {**self._head, "object": self._chunk_object, "choices": [choice]}
         if self._include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = usage(self._generation) if self._continuous_usage else None
         return chunk
 
     # -- logprobs ---------------------------------------------------------------------------------------
 
-    def _logprobs(self, entries: list[LogprobEntry]) -> Json:
-        return self._chat_logprobs(entries) if self._chat else self._completion_logprobs(entries)
+    def _logprobs(self, entries: list[LogprobEntry], echo_of: SampleOutput | None = None) -> Json:
+        """Chat's or completions' logprobs of entries; completions with echo_of: its prompt's tokens first."""
+        if self._chat:
+            return self._chat_logprobs(entries)
+        out = self._completion_logprobs(entries, len(self._generation.prepared.prompt_text) if echo_of else 0)
+        if echo_of is None:
+            return out
+        prompt = self._completion_logprobs(self._prompt_entries(echo_of), 0)
+        return {key: prompt[key] + out[key] for key in out}
 
-    def _completion_logprobs(self, entries: list[LogprobEntry]) -> Json:
+    def _completion_logprobs(self, entries: list[LogprobEntry], shift: int) -> Json:
         text = self._tokenizer.token_text
         return {
             "tokens": [text(e.token_id) for e in entries],
             "token_logprobs": [_finite(e.logprob) for e in entries],
-            "top_logprobs": [{text(t): _finite(lp) for t, lp in _best_first(e.top)} for e in entries],
-            "text_offset": [e.text_offset for e in entries],
+            "top_logprobs": [self._completion_top(e) for e in entries],
+            "text_offset": [shift + e.text_offset for e in entries],
+        }
+
+    def _completion_top(self, entry: LogprobEntry) -> dict[str, float | None] | None:
+        """The top logprobs asked for, and the token's own when it is not among them (as OpenAI and vLLM
+        do); None where the token's logprob is not known (a prompt's first token, a gap read back)."""
+        if entry.logprob is None:
+            return None
+        ranked = _best_first(entry.top, self._num_logprobs)
+        if all(t != entry.token_id for t, _ in ranked):
+            ranked.append((entry.token_id, entry.logprob))
+        text = self._tokenizer.token_text
+        return {text(t): _finite(lp) for t, lp in ranked}
+
+    def _prompt_entries(self, sample: SampleOutput) -> list[LogprobEntry]:
+        """The prompt's tokens as logprob entries, their text offsets in the prompt's decoded text."""
+        prompt_ids = self._generation.request.prompt_token_ids
+        if self._prompt_offsets is None:
+            detokenizer = self._tokenizer.detokenizer([])
+            self._prompt_offsets = []
+            for token_id in prompt_ids:
+                self._prompt_offsets.append(len(detokenizer.text))
+                detokenizer.add(token_id)
+        known = sample.prompt_logprobs or []
+        entries = []
+        for i, (token_id, offset) in enumerate(zip(prompt_ids, self._prompt_offsets)):
+            lp = known[i] if i < len(known) else None
+            if lp is None:
+                entries.append(LogprobEntry(token_id, None, {}, offset))
+            else:
+                entries.append(LogprobEntry(token_id, lp.logprob, dict(lp.top), offset))
+        return entries
+
+    def _prompt_logprobs(self, sample: SampleOutput) -> list[Json | None] | None:
+        """vLLM's prompt_logprobs: per prompt token (None for the first) its id's logprob, rank among the top
+        (None when it is not among those the worker sent) and text, then the top k's; None when they were
+        not asked for, or are not known (see the class)."""
+        k = self._generation.prepared.prompt_logprobs
+        if k is None or sample.prompt_logprobs is None:
+            return None
+        out: list[Json | None] = []
+        for lp in sample.prompt_logprobs:
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = _best_first(lp.top)
+            ranks = {t: rank for rank, (t, _) in enumerate(ranked, 1)}
+            entry = {str(lp.token_id): self._ranked(lp.token_id, lp.logprob, ranks.get(lp.token_id))}
+            for t, value in ranked[:k]:
+                entry.setdefault(str(t), self._ranked(t, value, ranks[t]))
+            out.append(entry)
+        return out
+
+    def _ranked(self, token_id: int, logprob: float, rank: int | None) -> Json:
+        return {
+            "logprob": _finite(logprob),
+            "rank": rank,
+            "decoded_token": self._tokenizer.token_text(token_id),
         }
 
     def _chat_logprobs(self, entries: list[LogprobEntry]) -> Json:
@@ -131,7 +252,7 @@ class ResponseFormat:
             "content": [
                 {
                     **self._token(e.token_id, e.logprob),
-                    "top_logprobs": [self._token(t, lp) for t, lp in _best_first(e.top)],
+                    "top_logprobs": [self._token(t, lp) for t, lp in _best_first(e.top, self._num_logprobs)],
                 }
                 for e in entries
             ]

@@ -1,25 +1,83 @@
-"""OpenAI request bodies: unknown fields, wrong types and out-of-range values are refused (400)."""
+"""OpenAI request bodies: wrong types and out-of-range values are refused (400).
+
+Unknown fields are accepted and ignored, as vLLM does: gateway.request_body names them (`ignored_fields`) in a
+warning and in the response's X-Ignored-Fields header.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_LOGPROBS = 20
+MAX_PROMPTS = 64  # prompts in one completions request; each is a request of its own to the scheduler
 _INT64 = 2**63
+_TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 class Body(BaseModel):
-    """A JSON body: strict types (no "5" for 5), no unknown fields."""
+    """A JSON body: strict types (no "5" for 5); unknown fields are kept aside (model_extra) and ignored."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def _token_id_keys(value: Any) -> Any:
+    """JSON object keys are strings: logit_bias names its token ids as decimal strings ("50256")."""
+    if not isinstance(value, dict):
+        return value
+    ids: dict[Any, Any] = {}
+    bad = []
+    for key, bias in value.items():
+        if isinstance(key, str) and _DECIMAL.fullmatch(key):
+            ids[int(key)] = bias
+        elif isinstance(key, int) and not isinstance(key, bool):
+            ids[key] = bias
+        else:
+            bad.append(repr(str(key)[:20]))
+    if bad:
+        named = ", ".join(bad[:_MAX_NAMED]) + (
+            f" and {len(bad) - _MAX_NAMED} more" if len(bad) > _MAX_NAMED else ""
+        )
+        raise ValueError(f"logit_bias keys must be token ids written in decimal, not {named}")
+    return ids
+
+
+_DECIMAL = re.compile(r"[0-9]{1,10}")
+_MAX_NAMED = 8  # bad keys an error names
+LogitBias = Annotated[
+    dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]],
+    BeforeValidator(_token_id_keys),
+    Field(
+        description="token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling",
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,10}$"}},
+    ),
+]
+
+
+class ResponseFormatParam(Body):
+    """The format of the output: only plain text for now (json_object and json_schema are refused)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class StreamOptions(Body):
     """What a stream carries besides the tokens."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        False, description="with include_usage, every chunk carries the usage so far (vLLM)"
+    )
 
 
 class TextPart(Body):
@@ -32,7 +90,9 @@ class TextPart(Body):
 class ChatMessage(Body):
     """One turn of a conversation."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Annotated[str, Field(min_length=1)] = Field(
+        description="system, developer, user or assistant, or any other role the chat template knows (vLLM)"
+    )
     content: str | list[TextPart]
     name: str | None = None
 
@@ -65,6 +125,41 @@ class SamplingBody(Body):
     priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: LogitBias = Field(default_factory=dict)
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = Field(
+        None, description="only these token ids may be sampled (vLLM)"
+    )
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = Field(
+        None,
+        description="keep only the last k prompt tokens (-1: as many as the model's context holds) (vLLM)",
+    )
+    response_format: ResponseFormatParam | None = Field(
+        None,
+        description='only {"type": "text"}: structured outputs (json_object, json_schema) are not served yet',
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="keep the stop string or stop token that ended a sample in its text (vLLM)"
+    )
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="each prompt token's logprob and the top k (vLLM); not with stream when above 0"
+    )
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_keeps_a_token(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: ResponseFormatParam | None) -> ResponseFormatParam | None:
+        if value is not None and value.type != "text":
+            raise ValueError(
+                f"response_format of type '{value.type}' is not supported: structured outputs are not "
+                'served yet; use {"type": "text"} or leave response_format out'
+            )
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -79,6 +174,12 @@ class SamplingBody(Body):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> SamplingBody:
+        if self.stream and self.prompt_logprobs:
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return self
+
     @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -89,12 +190,20 @@ class SamplingBody(Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage_stats(self) -> bool:
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
+
 
 class CompletionRequest(SamplingBody):
     """POST /v1/completions."""
 
-    prompt: str | list[Annotated[int, Field(ge=0)]] = Field(
-        description="a string or a list of token ids (a list holding one of those is taken as it)"
+    prompt: str | _TokenIds | list[str] | list[_TokenIds] = Field(
+        description=(
+            f"a string or a list of token ids, or a list of up to {MAX_PROMPTS} of those: one choice per "
+            "prompt and sample, indexed prompt_index * n + sample (a list of one prompt is that prompt)"
+        )
     )
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -103,32 +212,81 @@ class CompletionRequest(SamplingBody):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
-        """A list holding a single prompt is that prompt; several prompts in one request are refused."""
+        """A list holding a single prompt is that prompt; a list of several stays a list of prompts."""
         if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
-            if len(value) > 1:
-                raise ValueError("several prompts in one request are not supported; send one per request")
-            value = value[0]
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"prompt holds {len(value)} prompts; a request takes at most {MAX_PROMPTS}")
+            if len({type(p) for p in value}) > 1:
+                raise ValueError("prompt must be a list of strings or a list of token-id lists, not a mix")
+            empty = [i for i, p in enumerate(value) if p == "" or p == []]
+            if empty and len(value) > 1:
+                raise ValueError(f"prompt[{empty[0]}] is empty")
+            if len(value) == 1:
+                value = value[0]
+                if isinstance(value, list) and any(isinstance(t, str | list) for t in value):
+                    raise ValueError("prompt[0] must be a string or a list of token ids")
         if value == "" or value == []:
             raise ValueError("the prompt is empty")
         if not isinstance(value, str | list):
-            raise ValueError("prompt must be a string or a list of token ids")
+            raise ValueError("prompt must be a string or a list of token ids, or a list of those")
         return value
 
-    @model_validator(mode="after")
-    def _echo_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (prompt logprobs are not computed)")
-        return self
 
-
-class ChatCompletionRequest(SamplingBody):
-    """POST /v1/chat/completions."""
+class ChatTemplateBody(Body):
+    """Messages and how the chat template turns them into a prompt."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = Field(True, description="end the prompt with the assistant's turn header")
+    continue_final_message: bool = Field(
+        False,
+        description="the final message (the assistant's) is left open for the model to continue; "
+        "needs add_generation_prompt false",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra variables for the chat template (e.g. enable_thinking)"
+    )
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_the_assistant(cls, value: bool, info: ValidationInfo) -> bool:
+        # Fields are validated in order: messages and add_generation_prompt are in info.data when valid.
+        if value and info.data.get("add_generation_prompt", False):
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false to continue the final message"
+            )
+        messages = info.data.get("messages")
+        if value and messages and messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the final message to be the assistant's")
+        return value
+
+    def template_options(self) -> dict[str, Any]:
+        """Tokenizer.encode_chat's options as this body sets them."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": self.chat_template_kwargs or {},
+        }
+
+
+class ChatCompletionRequest(SamplingBody, ChatTemplateBody):
+    """POST /v1/chat/completions."""
+
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = Field(
+        False, description="when the final message is the assistant's, the response starts with its content"
+    )
+    tools: list[dict[str, Any]] | None = Field(None, description="tool calling is not served: none or []")
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tools (function calling) are not supported by this server")
+        return value
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -153,13 +311,18 @@ class TokenizeCompletionRequest(Body):
 
     model: str | None = None
     prompt: Annotated[str, Field(min_length=1)]
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (e.g. BOS)")
+    return_token_strs: bool = Field(False, description="also return each token as the tokenizer writes it")
 
 
-class TokenizeChatRequest(Body):
+class TokenizeChatRequest(ChatTemplateBody):
     """POST /tokenize with messages: the token ids of the chat template applied to them."""
 
     model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_special_tokens: bool = Field(
+        False, description="add the tokenizer's special tokens to the rendered template (it has its own)"
+    )
+    return_token_strs: bool = Field(False, description="also return each token as the tokenizer writes it")
 
 
 class DetokenizeRequest(Body):

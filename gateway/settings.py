@@ -31,6 +31,9 @@ class GatewaySettings(CommonSettings):
     redis_outage_grace_s: float = Field(
         30.0, description="a request in flight fails (queue_unavailable) when Redis stays away this long"
     )
+    cors_allowed_origins: str = Field(
+        "*", description="comma-separated origins browsers may call the API from; * for any, empty for none"
+    )
     max_model_len: int | None = Field(
         None, description="longest prompt + output in tokens (default and cap: the model's context)"
     )

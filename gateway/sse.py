@@ -11,6 +11,7 @@ import redis
 
 from gateway.errors import APIError
 from gateway.generation import ClientDisconnected, Generation
+from gateway.prompt_batch import PromptBatch
 from gateway.responses import ResponseFormat
 from gateway.resume import event_id
 from gateway.token_receiver import GenerationError
@@ -42,30 +43,53 @@ def event_stream(generation: Generation, response_format: ResponseFormat) -> Ite
     if not generation.resumed:
         for chunk in response_format.opening_chunks():
             yield sse(chunk, event_id(rid, response_format.cursor()))
+    yield from _ended(rid, _events(generation, response_format))
+
+
+def _events(generation: Generation, response_format: ResponseFormat) -> Iterator[str]:
+    rid = generation.request_id
+    for changed in generation.updates():
+        if not changed:
+            yield KEEP_ALIVE
+        for sample in changed:
+            for chunk, cursor in response_format.sample_chunks(sample):
+                yield sse(chunk, event_id(rid, cursor))
+    if generation.prepared.include_usage and not generation.usage_sent:
+        chunk, cursor = response_format.usage_chunk()
+        yield sse(chunk, event_id(rid, cursor))
+
+
+def batch_event_stream(batch: PromptBatch) -> Iterator[str]:
+    """The stream of a request with several prompts: their chunks interleaved as they come, each choice
+    indexed prompt_index * n + sample, and no event ids (resuming is for single-prompt streams)."""
+    for chunk in batch.opening_chunks():
+        yield sse(chunk)
+    yield from _ended(batch.id, _batch_events(batch))
+
+
+def _batch_events(batch: PromptBatch) -> Iterator[str]:
+    for changed in batch.updates():
+        if not changed:
+            yield KEEP_ALIVE
+        for index, sample in changed:
+            for chunk in batch.sample_chunks(index, sample):
+                yield sse(chunk)
+    if batch.include_usage:
+        yield sse(batch.usage_chunk())
+
+
+def _ended(rid: str, events: Iterator[str]) -> Iterator[str]:
+    """events, then `[DONE]`; a failure on the way ends them with an error event (a client gone: nothing)."""
     try:
-        for changed in generation.updates():
-            if not changed:
-                yield KEEP_ALIVE
-            for sample in changed:
-                for chunk, cursor in response_format.sample_chunks(sample):
-                    yield sse(chunk, event_id(rid, cursor))
+        yield from events
     except ClientDisconnected:
         return
     except GenerationError as e:
         yield sse(APIError.of(e).body())
-        yield DONE
-        return
     except redis.RedisError as e:
-        logger.warning("request %s: Redis failed mid-stream: %s", generation.request_id, e)
+        logger.warning("request %s: Redis failed mid-stream: %s", rid, e)
         yield sse(APIError(ErrorCode.QUEUE_UNAVAILABLE, "the request queue became unavailable").body())
-        yield DONE
-        return
     except Exception:
-        logger.exception("request %s: failed mid-stream", generation.request_id)
+        logger.exception("request %s: failed mid-stream", rid)
         yield sse(APIError(ErrorCode.INTERNAL_ERROR, "internal server error").body())
-        yield DONE
-        return
-    if generation.prepared.include_usage and not generation.usage_sent:
-        chunk, cursor = response_format.usage_chunk()
-        yield sse(chunk, event_id(rid, cursor))
     yield DONE

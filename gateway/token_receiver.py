@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ import redis
 from gateway.event_hub import EventHub
 from shared.errors import CodedError, ErrorCode
 from shared.keys import Keys
-from shared.protocol import SampleEnd, TokenEvent, TokenLogprob, WireError, decode
+from shared.protocol import RequestTimings, SampleEnd, TokenEvent, TokenLogprob, WireError, decode
 from shared.records import parse_ends, parse_tokens
 from shared.redis_client import NamedPipeline
 
@@ -42,6 +43,10 @@ class SampleTokens:
     logprobs: list[TokenLogprob | None]  # per token; None where the worker sent none (or a gap was filled)
     finish_reason: str | None = None
     arrived_at: float = field(default_factory=time.monotonic)
+    timings: RequestTimings | None = None  # with the end: where the sample's time went on its worker
+    # With the sample's first event only (None when it came from the record: a gap, a resumed stream).
+    num_cached_tokens: int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class TokenReceiver:
@@ -65,6 +70,7 @@ class TokenReceiver:
         *,
         hub: EventHub,
         outage_grace_s: float = 30.0,
+        wakeup: threading.Event | None = None,
     ) -> None:
         self._client = client
         self._keys = keys
@@ -74,8 +80,13 @@ class TokenReceiver:
         self._outage_grace_s = outage_grace_s
         self._hub = hub
         # Confirmed on return: the subscription is in place before the request is queued.
-        self._subscription = hub.subscribe(keys.events(request_id), SUBSCRIBE_TIMEOUT_S)
+        self._subscription = hub.subscribe(keys.events(request_id), SUBSCRIBE_TIMEOUT_S, wakeup)
         self._epoch = hub.epoch
+
+    @property
+    def pending(self) -> bool:
+        """Messages are waiting to be polled."""
+        return not self._subscription.messages.empty()
 
     @property
     def done(self) -> bool:
@@ -203,7 +214,12 @@ class TokenReceiver:
                 )
             unknown: list[TokenLogprob | None] = [None] * len(missed)
             token_ids, logprobs = missed + token_ids, unknown + logprobs
-        return [self._deliver(index, token_ids, logprobs, event.finish_reason)]
+        delivered = self._deliver(index, token_ids, logprobs, event.finish_reason)
+        delivered.timings = event.timings
+        if event.start == expected == 0:
+            delivered.num_cached_tokens = event.num_cached_tokens
+            delivered.prompt_logprobs = event.prompt_logprobs
+        return [delivered]
 
     def _deliver(
         self, index: int, token_ids: list[int], logprobs: list[TokenLogprob | None], reason: str | None

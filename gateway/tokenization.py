@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from functools import cache
@@ -47,26 +48,61 @@ class Tokenizer:
         self._alphabet = _byte_level_alphabet() if '"ByteLevel"' in json.dumps(decoder) else None
         self._added_ids = set(self.hf.added_tokens_decoder)
         self._bytes: dict[int, bytes] = {}  # at most one entry per vocabulary token
+        # Options of apply_chat_template itself: a request's template variables must not set them.
+        self._template_parameters = {
+            name
+            for name, p in inspect.signature(self.hf.apply_chat_template).parameters.items()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        }
 
-    def encode(self, text: str) -> list[int]:
-        """A completion prompt as it is (as the offline API tokenizes it): no special tokens added."""
-        return list(self.hf.encode(text, add_special_tokens=False))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """A completion prompt as it is (as the offline API tokenizes it): no special tokens unless asked."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def encode_chat(self, conversation: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self,
+        conversation: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The chat template applied to a conversation, then tokenized (the template writes its own special
+        tokens, so none are added unless asked)."""
+        template_kwargs = template_kwargs or {}
+        reserved = sorted(set(template_kwargs) & self._template_parameters)
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: they are not template variables",
+                param="chat_template_kwargs",
+            )
         try:
-            encoded = self.hf.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=True
+            rendered = self.hf.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **template_kwargs,
             )
         except Exception as e:  # the template itself refuses the conversation (e.g. roles out of order)
             raise bad_request(f"the chat template refused the messages: {e}", param="messages") from e
-        return list(encoded["input_ids"])
+        return self.encode(str(rendered), add_special_tokens=add_special_tokens)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each token as the tokenizer's vocabulary writes it (`Ġthe` for " the" in byte-level BPE)."""
+        return [str(t) for t in self.hf.convert_ids_to_tokens(token_ids)]
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.hf.decode(token_ids, skip_special_tokens=True))
 
     def check_ids(self, token_ids: list[int], param: str) -> None:
-        if any(t >= self.vocab_size for t in token_ids):
-            raise bad_request(f"token ids must be in [0, {self.vocab_size})", param=param)
+        bad = next((t for t in token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"token id {bad} is out of the vocabulary: token ids must be in [0, {self.vocab_size})",
+                param=param,
+            )
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a token may hold part of a multi-byte character)."""

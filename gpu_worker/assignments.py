@@ -36,6 +36,9 @@ def sampling_params(spec: SamplingSpec, **overrides: Any) -> SamplingParams:
         "stop_token_ids": list(spec.stop_token_ids),
         "ignore_eos": spec.ignore_eos,
         "logprobs": spec.logprobs,
+        "prompt_logprobs": spec.prompt_logprobs,
+        "logit_bias": dict(spec.logit_bias),
+        "allowed_token_ids": None if spec.allowed_token_ids is None else list(spec.allowed_token_ids),
     }
     values.update(overrides)
     try:
@@ -74,6 +77,8 @@ def engine_requests(request: GenerateRequest) -> list[EngineRequest]:
                 seed=None if spec.seed is None else spec.seed + index,
                 max_tokens=left,
                 min_tokens=max(0, spec.min_tokens - len(done)),
+                # Its first event, which carries them, went out before it stopped.
+                prompt_logprobs=spec.prompt_logprobs if not done else None,
             )
         out.append(EngineRequest(f"{rid}#{index}", request.prompt_token_ids + done, params, index, len(done)))
     return out

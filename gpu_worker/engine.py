@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
+import time
 from typing import Protocol
 
 import torch
@@ -15,31 +15,13 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model_loader import load_model
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.prompt_logprobs import prompt_logit_spans, record_prompt_logprobs
 from gpu_worker.sampler import Sampler, SamplerOutput
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.sequence import Sequence
+from gpu_worker.step_metrics import EngineStats, IterationTokens
 from gpu_worker.step_scheduler import StepSchedule, StepScheduler
 from shared.errors import ErrorCode, RequestRejected
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """What a worker reports: pool occupancy, batch sizes and the counters of the paged cache."""
-
-    num_free_blocks: int
-    num_total_blocks: int
-    block_size: int
-    num_running: int
-    num_waiting: int
-    num_live_token_slots: int  # KV slots holding a computed token of a live sequence (shared slots once)
-    num_allocated_slots: int  # slots of blocks referenced by some sequence
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_cow_copies: int
-
-    @property
-    def slot_utilization(self) -> float:
-        return self.num_live_token_slots / self.num_allocated_slots if self.num_allocated_slots else 1.0
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -64,7 +46,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 class StepRunner(Protocol):
-    """Runs one step's forward pass: logits `[len(sample_rows), vocab_size]` for the rows that sample."""
+    """Runs one step's forward pass: logits for the rows that sample, then for out.prompt_logit_spans."""
 
     def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor: ...
 
@@ -126,6 +108,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
+        self.iteration_tokens = IterationTokens()
 
     def _eos_token_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id
@@ -172,6 +155,18 @@ class LLMEngine:
                 ErrorCode.KV_CAPACITY_EXCEEDED,
                 f"{max_len} tokens do not fit in the KV pool of {self.allocator.num_blocks} blocks",
             )
+        named = [*params.logit_bias, *(params.allowed_token_ids or [])]
+        if named and (min(named) < 0 or max(named) >= self.vocab_size):
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST,
+                f"logit_bias and allowed_token_ids take token ids in [0, {self.vocab_size})",
+            )
+        if params.min_tokens and params.allowed_token_ids is not None:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.sampler.eos_token_ids)
+            if stops.issuperset(params.allowed_token_ids):
+                raise RequestRejected(
+                    ErrorCode.INVALID_REQUEST, "min_tokens asks for tokens that allowed_token_ids only stops"
+                )
 
     def _sample_seed(self, params: SamplingParams, index: int) -> int | None:
         """Sample i of a seeded request draws with seed + i; an unseeded one gets a seed of its own, so that
@@ -205,9 +200,14 @@ class LLMEngine:
             for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
             if seq.num_computed_tokens + n == seq.num_tokens
         ]
+        out.prompt_logit_spans = prompt_logit_spans(out)
         logits = self.runner.run(out, sample_rows)
+        record_prompt_logprobs(out, logits[len(sample_rows) :])
+        num_prompt_tokens = _num_prompt_tokens(out)
         self.step_scheduler.update_computed(out)
-        return self._postprocess([out.seqs[i] for i in sample_rows], logits)
+        sampled = self._postprocess([out.seqs[i] for i in sample_rows], logits[: len(sample_rows)])
+        self.iteration_tokens.observe(num_prompt_tokens + len(sampled))
+        return sampled
 
     def _postprocess(self, sampling: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
         if not sampling:
@@ -232,9 +232,13 @@ class LLMEngine:
         return seqs
 
     def _append(self, seqs: list[Sequence], sampled: SamplerOutput) -> None:
+        now = time.monotonic()
         for i, seq in enumerate(seqs):
             token = sampled.token_ids[i]
             seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
             if seq.params.logprobs is not None:
                 seq.logprobs.append(sampled.logprobs[i] or 0.0)
                 seq.top_logprobs.append(sampled.top_logprobs[i] or {})
@@ -272,4 +276,16 @@ class LLMEngine:
             prefix_cache_hit_rate=self.allocator.prefix_cache_hit_rate,
             num_preemptions=self.step_scheduler.num_preemptions,
             num_cow_copies=self.allocator.num_cow_copies,
+            prefix_cache_queries=self.step_scheduler.num_prefix_cache_queries,
+            prefix_cache_hits=self.step_scheduler.num_prefix_cache_hits,
+            iteration_tokens_buckets=self.iteration_tokens.cumulative(),
+            iteration_tokens_sum=self.iteration_tokens.total,
         )
+
+
+def _num_prompt_tokens(out: StepSchedule) -> int:
+    """Prompt tokens the step computes (before num_computed_tokens advances past them)."""
+    return sum(
+        max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
+        for seq, n in zip(out.seqs, out.num_new_tokens)
+    )

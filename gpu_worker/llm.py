@@ -40,6 +40,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # Per prompt token (None for the first): its logprob and the top-k alternatives, when asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
 
 
 class LLM:
@@ -139,7 +142,20 @@ class LLM:
 
     def _output(self, request_id: str, prompt: str | None, prompt_ids: list[int]) -> RequestOutput:
         seqs = sorted(self.engine.release(request_id), key=lambda s: s.index)
-        return RequestOutput(request_id, prompt, prompt_ids, [self._completion(s) for s in seqs])
+        first = seqs[0]
+        prompt_logprobs: list[dict[int, float] | None] | None = None
+        if first.params.prompt_logprobs is not None:
+            prompt_logprobs = [None]
+            for token, lp, top in zip(prompt_ids[1:], first.prompt_logprobs, first.prompt_top_logprobs):
+                prompt_logprobs.append({token: lp, **top})
+        return RequestOutput(
+            request_id,
+            prompt,
+            prompt_ids,
+            [self._completion(s) for s in seqs],
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=first.num_cached_tokens,
+        )
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         ids = seq.output_token_ids

@@ -12,7 +12,8 @@ from gpu_worker.vocab_projection import use_vocab_projection
 
 
 class ModelRunner:
-    """One forward per step over all scheduled tokens, no padding; logits only where a token is sampled."""
+    """One forward per step over all scheduled tokens, no padding; logits only where a token is sampled
+    (and at the prompt positions of sequences that asked for prompt logprobs)."""
 
     def __init__(self, model: PreTrainedModel, kv_cache: KVCache) -> None:
         use_vocab_projection(model)
@@ -23,7 +24,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor:
-        """Logits `[len(sample_rows), vocab_size]` at the last new token of each sequence in sample_rows."""
+        """Logits at the last new token of each sequence in sample_rows, then at every token of
+        out.prompt_logit_spans in order: `[len(sample_rows) + span tokens, vocab_size]`."""
         self.kv_cache.copy_blocks(out.copy_pairs)
         input_ids: list[int] = []
         starts: list[int] = []
@@ -35,9 +37,10 @@ class ModelRunner:
             seq_lens.append(start + num_new)
         meta, positions = self._metadata(out, starts, seq_lens)
         query_start_loc = meta.query_start_loc.tolist()
-        logits_indices = torch.tensor(
-            [query_start_loc[i + 1] - 1 for i in sample_rows], dtype=torch.long, device=self.device
-        )
+        keep = [query_start_loc[i + 1] - 1 for i in sample_rows]
+        for i, first, count in out.prompt_logit_spans:
+            keep += range(query_start_loc[i] + first, query_start_loc[i] + first + count)
+        logits_indices = torch.tensor(keep, dtype=torch.long, device=self.device)
         result = self.model(
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=positions.unsqueeze(0),

@@ -12,7 +12,7 @@ from gpu_worker.outbox import Outbox
 from gpu_worker.sequence import Sequence
 from shared.errors import CodedError, ErrorCode
 from shared.keys import Keys
-from shared.protocol import GenerateRequest, TokenEvent, TokenLogprob, WireError
+from shared.protocol import GenerateRequest, RequestTimings, TokenEvent, TokenLogprob, WireError
 from shared.records import error_events, push_event
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,17 @@ class RequestTable:
             logprobs = []
             if seq.params.logprobs is not None:
                 logprobs = [TokenLogprob(token_id=token, logprob=seq.logprobs[-1], top=seq.top_logprobs[-1])]
-            self._push_event(active, index, [token], logprobs, seq.finish_reason)
+            first = active.next_position.get(index, 0) == 0
+            self._push_event(
+                active,
+                index,
+                [token],
+                logprobs,
+                seq.finish_reason,
+                num_cached_tokens=seq.num_cached_tokens if first else None,
+                prompt_logprobs=_prompt_logprobs(seq) if first else None,
+                timings=_timings(seq) if seq.is_finished else None,
+            )
             self.generation_tokens_total += 1
             if seq.is_finished:
                 active.pending.discard(index)
@@ -121,6 +131,10 @@ class RequestTable:
         logprobs: list[TokenLogprob],
         finish_reason: str | None,
         error: WireError | None = None,
+        *,
+        num_cached_tokens: int | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+        timings: RequestTimings | None = None,
     ) -> None:
         request = active.request
         start = active.next_position.get(index, 0)
@@ -135,6 +149,9 @@ class RequestTable:
             num_prompt_tokens=len(request.prompt_token_ids),
             worker_id=self.worker_id,
             error=error,
+            num_cached_tokens=num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            timings=timings,
         )
         push_event(self.outbox, self.keys, event, self.request_ttl_s)
 
@@ -158,6 +175,28 @@ class RequestTable:
                 self._push_event(active, index, [], [], "error", error)
             active.pending.clear()
             self._retire(rid)
+
+
+def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
+    """One entry per prompt token, None for the first (it has no context); None when not asked for."""
+    if seq.params.prompt_logprobs is None:
+        return None
+    prompt = seq.token_ids[: seq.num_prompt_tokens]
+    entries: list[TokenLogprob | None] = [None]
+    for token, logprob, top in zip(prompt[1:], seq.prompt_logprobs, seq.prompt_top_logprobs):
+        entries.append(TokenLogprob(token_id=token, logprob=logprob, top=top))
+    return entries
+
+
+def _timings(seq: Sequence) -> RequestTimings | None:
+    """Where a finished sample's time went; None for one that never sampled here."""
+    if seq.first_scheduled_time is None or seq.first_token_time is None or seq.last_token_time is None:
+        return None
+    return RequestTimings(
+        queued_s=seq.first_scheduled_time - seq.arrival_time,
+        prefill_s=seq.first_token_time - seq.first_scheduled_time,
+        decode_s=seq.last_token_time - seq.first_token_time,
+    )
 
 
 def _wire_error(request_id: str, error: Exception) -> WireError:

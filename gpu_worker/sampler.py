@@ -1,4 +1,5 @@
-"""Turning one step's logits into tokens: penalties, temperature, truncation, seeded sampling, logprobs."""
+"""Turning one step's logits into tokens: penalties, logit bias, allowed tokens, temperature, truncation,
+seeded sampling, logprobs."""
 
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ class Sampler:
             logits = logits.clone()
             for i, seq in enumerate(seqs):
                 self._apply_penalties(logits[i], seq)
+        if any(s.params.shapes_logits for s in seqs):
+            logits = _apply_bias_and_allowed(logits, seqs)
         greedy = torch.tensor([s.params.greedy for s in seqs], dtype=torch.bool)
         token_ids = logits.argmax(dim=-1)
         random_rows = (~greedy).nonzero().flatten().tolist()
@@ -79,7 +82,8 @@ class Sampler:
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
-        # The model's own distribution, before penalties and temperature (what vLLM reports by default).
+        # The model's own distribution, before penalties, logit_bias, allowed_token_ids and temperature (what
+        # vLLM reports by default): a logprob says what the model thought, whatever steered the choice.
         if all(s.params.logprobs is None for s in seqs):
             return None
         return torch.log_softmax(logits, dim=-1)
@@ -128,6 +132,36 @@ class Sampler:
             generator.manual_seed(draw_seed(seq.seed, seq.num_tokens))
             noise[i].exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def _apply_bias_and_allowed(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [num_rows, vocab_size] plus each row's logit_bias, then -inf outside its allowed_token_ids.
+
+    Out of place; the masks are built from the named ids only, never by walking the vocabulary.
+    """
+    device = logits.device
+    biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+    if biased:
+        biases = [seqs[i].params.logit_bias for i in biased]
+        rows = torch.tensor(biased, device=device).repeat_interleave(
+            torch.tensor([len(b) for b in biases], device=device)
+        )
+        cols = torch.tensor([t for b in biases for t in b], device=device)
+        values = torch.tensor([v for b in biases for v in b.values()], dtype=logits.dtype, device=device)
+        logits = logits.index_put((rows, cols), values, accumulate=True)
+    restricted = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids is not None]
+    if restricted:
+        allowed = [seqs[i].params.allowed_token_ids or [] for i in restricted]
+        local_rows = torch.arange(len(restricted), device=device).repeat_interleave(
+            torch.tensor([len(a) for a in allowed], device=device)
+        )
+        cols = torch.tensor([t for a in allowed for t in a], device=device)
+        keep = torch.zeros(len(restricted), logits.shape[-1], dtype=torch.bool, device=device)
+        keep[local_rows, cols] = True
+        if not biased:
+            logits = logits.clone()
+        logits[restricted] = logits[restricted].masked_fill(~keep, float("-inf"))
+    return logits
 
 
 def _truncate_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

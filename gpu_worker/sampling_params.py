@@ -25,6 +25,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
+    # None: none; k: each prompt token's logprob given the tokens before it, and the top k alternatives.
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # None: any token may be sampled
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -48,6 +52,12 @@ class SamplingParams:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        if not all(-100.0 <= bias <= 100.0 for bias in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must name at least one token")
         if self.temperature < _EPS:
             # Greedy: the truncation knobs mean nothing, and dropping them keeps the fast path simple.
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
@@ -61,3 +71,8 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change this request's logits before sampling."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 from gpu_worker.sampling_params import SamplingParams
 
@@ -20,17 +21,24 @@ class Sequence:
 
     __slots__ = (
         "arrival",
+        "arrival_time",
         "block_table",
         "finish_reason",
+        "first_scheduled_time",
+        "first_token_time",
         "index",
         "last_block_hash",
+        "last_token_time",
         "logprobs",
         "num_cached_blocks",
+        "num_cached_tokens",
         "num_computed_tokens",
         "num_pending_forks",
         "num_prompt_tokens",
         "params",
         "priority",
+        "prompt_logprobs",
+        "prompt_top_logprobs",
         "request_id",
         "seed",
         "seq_id",
@@ -72,6 +80,16 @@ class Sequence:
         self.num_pending_forks = params.n - 1
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
+        # Entry j: prompt token j + 1 given the tokens before it (params.prompt_logprobs only).
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top_logprobs: list[dict[int, float]] = []
+        # Prompt tokens found in the prefix cache when first scheduled (None: not scheduled yet).
+        self.num_cached_tokens: int | None = None
+        # time.monotonic() of its arrival in the engine, first scheduled step, first and last sampled token.
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +102,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs were asked for and some prompt position still has to be computed."""
+        return (
+            self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -118,4 +143,10 @@ class Sequence:
         child.last_block_hash = self.last_block_hash
         child.status = self.status
         child.num_pending_forks = 0
+        # Complete by now (forks are born when the prompt is computed), so shared rather than copied.
+        child.prompt_logprobs = self.prompt_logprobs
+        child.prompt_top_logprobs = self.prompt_top_logprobs
+        child.num_cached_tokens = self.num_cached_tokens
+        child.arrival_time = self.arrival_time
+        child.first_scheduled_time = self.first_scheduled_time
         return child

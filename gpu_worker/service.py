@@ -294,6 +294,12 @@ class WorkerService:
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             prompt_tokens_total=self.table.prompt_tokens_total,
             generation_tokens_total=self.table.generation_tokens_total,
+            prefix_cache_queries_total=stats.prefix_cache_queries,
+            prefix_cache_hits_total=stats.prefix_cache_hits,
+            iteration_tokens_buckets=stats.iteration_tokens_buckets,
+            iteration_tokens_sum=stats.iteration_tokens_sum,
+            dtype=str(self.engine.dtype).removeprefix("torch."),
+            device=str(self.engine.device),
         )
         key = self.keys.worker(self.worker_id)
         pipe = self.redis.pipeline(transaction=True)

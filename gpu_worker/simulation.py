@@ -54,7 +54,8 @@ class SimulatedRunner:
 
     def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor:
         time.sleep(self.step_time.of(out.num_batched_tokens))
-        logits = torch.zeros(len(sample_rows), self.vocab_size)
+        num_prompt_rows = sum(count for _, _, count in out.prompt_logit_spans)
+        logits = torch.zeros(len(sample_rows) + num_prompt_rows, self.vocab_size)
         for row, i in enumerate(sample_rows):
             seq = out.seqs[i]
             logits[row, next_token(seq.token_ids[0], seq.num_tokens, self.vocab_size)] = 30.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from gpu_worker.block_allocator import BlockAllocator
@@ -17,6 +18,8 @@ class StepSchedule:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     copy_pairs: list[tuple[int, int]] = field(default_factory=list)
+    # (row in seqs, first token of its chunk, count): chunk tokens whose logits prompt logprobs need.
+    prompt_logit_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -41,6 +44,9 @@ class StepScheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Prompt tokens of new sequences looked up in the prefix cache, and found there.
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
@@ -95,7 +101,8 @@ class StepScheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[i]
-            if not seq.block_table:
+            # NOTE: prompt logprobs need the logits of every prompt position, so cached blocks are no use.
+            if not seq.block_table and not seq.needs_prompt_logprobs:
                 self._take_cached_prefix(seq)
                 if self._next_block_hashes(seq, 1) & in_flight:
                     # Its next block is being computed by another sequence now: wait and hit the cache
@@ -114,12 +121,21 @@ class StepScheduler:
                 seq.block_table, seq.num_computed_tokens, seq.num_computed_tokens + num_new
             )
             self.waiting.pop(i)
+            if seq.first_scheduled_time is None:
+                self._first_scheduled(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=Sequence.sort_key)
             in_flight |= self._next_block_hashes(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
             budget -= num_new
+
+    def _first_scheduled(self, seq: Sequence) -> None:
+        seq.first_scheduled_time = time.monotonic()
+        seq.num_cached_tokens = seq.num_computed_tokens  # what the prefix cache gave it
+        if self.allocator.enable_prefix_caching and not seq.needs_prompt_logprobs:
+            self.num_prefix_cache_queries += seq.num_prompt_tokens
+            self.num_prefix_cache_hits += seq.num_computed_tokens
 
     def _release_prefix(self, seq: Sequence) -> None:
         """Give back the hit blocks of a sequence that stays waiting; the next attempt looks them up again."""

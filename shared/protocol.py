@@ -97,6 +97,9 @@ class RequestMeta(WireModel):
     echo: bool = False
     want_logprobs: bool = False
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
 
 class Assignment(WireModel):

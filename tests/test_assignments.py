@@ -38,6 +38,9 @@ NON_DEFAULT = {
     "stop_token_ids": [3, 4],
     "ignore_eos": True,
     "logprobs": 2,
+    "prompt_logprobs": 1,
+    "logit_bias": {5: 1.5, 9: -100.0},
+    "allowed_token_ids": [3, 4, 5],
 }
 
 
@@ -108,6 +111,16 @@ def test_resumed_samples_continue_with_their_own_seed_and_what_is_left() -> None
     assert one.params is not None
     assert (one.params.n, one.params.seed, one.params.max_tokens, one.params.min_tokens) == (1, 101, 8, 2)
     assert zero.params is None  # it had all its tokens already
+
+
+def test_only_a_sample_resumed_from_its_start_asks_for_prompt_logprobs_again() -> None:
+    request = make_request(samples=[0, 1], resume={0: [], 1: [8, 9]})
+    spec = request.sampling.model_copy(update={"prompt_logprobs": 2, "allowed_token_ids": [8, 9]})
+    fresh, resumed = engine_requests(request.model_copy(update={"sampling": spec}))
+    assert fresh.params is not None and fresh.params.prompt_logprobs == 2 and fresh.start == 0
+    # Its first event, which carried them, went out before its worker died; its "prompt" now ends in outputs.
+    assert resumed.params is not None and resumed.params.prompt_logprobs is None and resumed.start == 2
+    assert fresh.params.allowed_token_ids == resumed.params.allowed_token_ids == [8, 9]
 
 
 def test_an_unreadable_assignment_is_a_protocol_error_and_its_request_is_salvaged() -> None:

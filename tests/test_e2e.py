@@ -190,6 +190,40 @@ def test_stop_string_cuts_the_text(cluster: Cluster, offline: LLM) -> None:
     assert out.choices[0].text == full[: full.index(stop)]
 
 
+def test_several_prompts_in_one_request_answer_as_each_alone(cluster: Cluster) -> None:
+    client = cluster.client()
+    prompts = PROMPTS[:3]
+    alone = [
+        client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=12, temperature=0) for p in prompts
+    ]
+    firsts = [a.choices[0] for a in alone]
+    expected = [(i, firsts[i // 2].text, firsts[i // 2].finish_reason) for i in range(2 * len(prompts))]
+    out = client.completions.create(model=MODEL_NAME, prompt=prompts, n=2, max_tokens=12, temperature=0)
+    assert [(c.index, c.text, c.finish_reason) for c in out.choices] == expected
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone if a.usage)
+    assert out.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone if a.usage)
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompts,
+        n=2,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts = [""] * len(expected)
+    finishes: list[str | None] = [None] * len(expected)
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert list(zip(range(len(expected)), texts, finishes)) == expected
+    assert usage is not None and usage.model_dump() == out.usage.model_dump()
+
+
 def test_hundred_concurrent_streams_complete_on_both_workers(cluster: Cluster) -> None:
     before = {wid: b.generation_tokens_total for wid, b in cluster.heartbeats().items()}
     results: list[str | BaseException] = []

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
 from gpu_worker import LLM, EngineConfig, SamplingParams
+from shared.errors import ErrorCode, RequestRejected
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +172,107 @@ def test_chat_applies_the_template(llm: LLM) -> None:
         [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
     assert chat.prompt_token_ids == list(expected)
+
+
+# -- logit_bias, allowed_token_ids, prefix-cache and step counters ---------------------------------------
+
+
+def test_logit_bias_and_allowed_token_ids_steer_every_token(llm: LLM) -> None:
+    prompt = [41, 42, 43, 44]
+    free = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
+    free_run = free[0].outputs[0].token_ids
+    target = next(t for t in range(100, 200) if t not in free_run)
+    biased = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={target: 100.0}),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert biased.token_ids == [target] * 6
+    avoided = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logit_bias={free_run[0]: -100.0}),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert avoided.token_ids[0] != free_run[0]
+    allowed = [target, target + 1, target + 2]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(
+            n=3, temperature=1.5, seed=1, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed
+        ),
+    ):
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert len(out.outputs) == params.n
+        assert all(set(o.token_ids) <= set(allowed) and len(o.token_ids) == 6 for o in out.outputs)
+
+
+def test_allowed_token_ids_with_min_tokens_end_at_eos_only_after_min_tokens(llm: LLM) -> None:
+    (eos,) = llm.engine.sampler.eos_token_ids
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, allowed_token_ids=[eos, 300])
+    out = llm.generate([[61, 62, 63]], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:3] == [300, 300, 300]
+    assert set(out.token_ids) <= {eos, 300}
+    # With EOS biased up it comes as soon as min_tokens allows, and ends the sample.
+    params = SamplingParams(
+        temperature=0, max_tokens=8, min_tokens=3, allowed_token_ids=[eos, 300], logit_bias={eos: 100.0}
+    )
+    out = llm.generate([[61, 62, 63]], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [300, 300, 300, eos] and out.finish_reason == "stop"
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_with_a_code(llm: LLM) -> None:
+    (eos,) = llm.engine.sampler.eos_token_ids
+    vocab = llm.engine.vocab_size
+    for params, message in (
+        (SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
+        (SamplingParams(logit_bias={-1: 1.0}), "logit_bias"),
+        (SamplingParams(allowed_token_ids=[5, vocab + 10]), "allowed_token_ids"),
+        (SamplingParams(min_tokens=2, allowed_token_ids=[eos]), "min_tokens"),
+        (
+            SamplingParams(min_tokens=2, allowed_token_ids=[7], stop_token_ids=[7], ignore_eos=True),
+            "min_tokens",
+        ),
+    ):
+        with pytest.raises(RequestRejected, match=message) as info:
+            llm.engine.add_request("bad", [1, 2, 3], params)
+        assert info.value.code is ErrorCode.INVALID_REQUEST
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.add_request("ok", [1, 2, 3], SamplingParams(logit_bias={vocab - 1: 1.0}, max_tokens=1))
+    llm.engine.abort_request("ok")
+
+
+def test_num_cached_tokens_and_prefix_cache_counters(llm: LLM) -> None:
+    prompt = list(range(1000, 1050))  # 50 tokens: 3 full blocks can be hit (the last token is computed)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    before = llm.stats
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    second = llm.generate([prompt], params, use_tqdm=False)[0]
+    third = llm.generate([prompt[:40] + [7] * 10], params, use_tqdm=False)[0]
+    after = llm.stats
+    assert (first.num_cached_tokens, second.num_cached_tokens, third.num_cached_tokens) == (0, 48, 32)
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 3 * 50
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 48 + 32
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_iteration_tokens_count_prompt_and_sampled_tokens_per_step(llm: LLM) -> None:
+    engine = llm.engine
+    before = (engine.iteration_tokens.cumulative(), engine.iteration_tokens.total)
+    engine.add_request(
+        "it", list(range(2000, 2020)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    )
+    while engine.has_unfinished_requests():
+        engine.step()
+    (seq,) = engine.release("it")
+    buckets, total = engine.iteration_tokens.cumulative(), engine.iteration_tokens.total
+    assert total - before[1] == 20 + 5
+    deltas = [a - b for a, b in zip(buckets, before[0])]
+    assert deltas[-1] == 5  # one observation per step: a prefill step of 21 tokens, then four of one
+    assert deltas[:4] == [4, 4, 4, 5]  # at or below 1, 8, 16, 32
+    assert all(x <= y for x, y in itertools.pairwise(buckets))
+    assert seq.first_scheduled_time is not None and seq.first_token_time is not None
+    assert seq.last_token_time is not None
+    assert seq.arrival_time <= seq.first_scheduled_time <= seq.first_token_time < seq.last_token_time
+    assert seq.num_cached_tokens == 0

@@ -403,6 +403,104 @@ def test_min_tokens_masks_sampled_rows() -> None:
     assert {EOS, 48, 7} <= set(free)
 
 
+# -- logit_bias and allowed_token_ids --------------------------------------------------------------------
+
+
+def test_a_bias_of_plus_100_makes_greedy_pick_the_token() -> None:
+    row = rand_logits(1, seed=20, scale=5.0)[0]
+    least = int(row.argmin())
+    assert greedy_pick(row, SamplingParams(temperature=0.0)) != least
+    assert greedy_pick(row, SamplingParams(temperature=0.0, logit_bias={least: 100.0})) == least
+
+
+def test_a_bias_of_minus_100_on_the_greedy_token_changes_the_pick() -> None:
+    row = rand_logits(1, seed=21)[0]
+    best, runner_up = row.topk(2).indices.tolist()
+    assert greedy_pick(row, SamplingParams(temperature=0.0, logit_bias={best: -100.0})) == runner_up
+
+
+def test_bias_is_added_after_penalties() -> None:
+    # Token 3 was generated: repetition_penalty 2 halves its logit 4 -> 2, then +2.5 makes it 4.5 > 4.2.
+    row = torch.zeros(VOCAB)
+    row[3], row[9] = 4.0, 4.2
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={3: 2.5})
+    assert greedy_pick(row, params, output=[3]) == 3
+    # A bias added before the penalty would have been halved too: 6.5 / 2 = 3.25 < 4.2.
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={3: 0.5})
+    assert greedy_pick(row, params, output=[3]) == 9
+
+
+def test_bias_is_added_before_temperature() -> None:
+    row = rand_logits(1, seed=22, scale=1.0)[0]
+    bias = {4: 2.0, 11: -1.5, 30: 1.0}
+    shifted = row.double().clone()
+    for token, b in bias.items():
+        shifted[token] += b
+    counts = draw_counts(row, SamplingParams(temperature=0.5, logit_bias=bias), seed=12)
+    assert total_variation(counts, torch.softmax(shifted / 0.5, -1)) < 0.05
+    # Bias divided by the temperature too is a different distribution, which the check tells apart.
+    assert total_variation(counts, torch.softmax(row.double() / 0.5, -1)) > 0.1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 3.0])
+def test_allowed_token_ids_restrict_every_token(temperature: float) -> None:
+    allowed = [2, 17, 33]
+    row = rand_logits(1, seed=23, scale=3.0)[0]
+    assert int(row.argmax()) not in allowed
+    params = SamplingParams(temperature=temperature, allowed_token_ids=allowed)
+    counts = draw_counts(row, params, n=500)
+    assert set(counts) <= set(allowed)
+    if temperature == 0.0:
+        assert set(counts) == {max(allowed, key=lambda t: float(row[t]))}
+    else:
+        assert set(counts) == set(allowed)  # renormalised over the set, not collapsed to one token
+
+
+def test_allowed_token_ids_with_min_tokens_mask_eos_until_min_tokens() -> None:
+    row = _stop_heavy_row()
+    params = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=10, allowed_token_ids=[EOS, 5, 6])
+    row[6] = 1.0
+    assert greedy_pick(row, params) == 6
+    assert greedy_pick(row, params, output=[6]) == 6
+    assert greedy_pick(row, params, output=[6, 6]) == EOS
+    counts = draw_counts(row, SamplingParams(temperature=1.0, min_tokens=1, allowed_token_ids=[EOS, 5, 6]))
+    assert set(counts) == {5, 6}
+
+
+def test_bias_and_allowed_apply_per_row_and_leave_other_rows_and_the_input_alone() -> None:
+    logits = rand_logits(3, seed=24)
+    before = logits.clone()
+    low = int(logits[0].argmin())
+    seqs = [
+        make_seq(SamplingParams(temperature=0.0, logit_bias={low: 100.0}), seq_id=0),
+        make_seq(SamplingParams(temperature=0.0), seq_id=1),
+        make_seq(SamplingParams(temperature=0.0, allowed_token_ids=[low, 1]), seq_id=2),
+    ]
+    out = Sampler({EOS})(logits, seqs)
+    assert out.token_ids[0] == low
+    assert out.token_ids[1] == int(logits[1].argmax())
+    assert out.token_ids[2] in (low, 1) and out.token_ids[2] == max(
+        (low, 1), key=lambda t: float(logits[2, t])
+    )
+    assert torch.equal(logits, before)
+
+
+def test_logprobs_stay_the_models_under_bias_and_allowed_tokens() -> None:
+    logits = rand_logits(2, seed=25)
+    low = int(logits[0].argmin())
+    seqs = [
+        make_seq(SamplingParams(temperature=0.0, logit_bias={low: 100.0}, logprobs=2), seq_id=0),
+        make_seq(SamplingParams(temperature=0.0, allowed_token_ids=[low], logprobs=2), seq_id=1),
+    ]
+    out = Sampler({EOS})(logits, seqs)
+    raw = torch.log_softmax(logits.double(), -1)
+    for i in range(2):
+        chosen = out.logprobs[i]
+        top = out.top_logprobs[i]
+        assert chosen == pytest.approx(float(raw[i, out.token_ids[i]]), abs=1e-5)
+        assert top is not None and list(top) == raw[i].topk(2).indices.tolist()
+
+
 # -- logprobs --------------------------------------------------------------------------------------------
 
 
@@ -480,6 +578,11 @@ def test_sampler_output_shape() -> None:
         {"top_p": float("nan")},
         {"min_p": float("nan")},
         {"presence_penalty": float("nan")},
+        {"prompt_logprobs": -1},
+        {"logit_bias": {3: 100.5}},
+        {"logit_bias": {3: -101.0}},
+        {"logit_bias": {3: float("nan")}},
+        {"allowed_token_ids": []},
     ],
     ids=repr,
 )
@@ -506,6 +609,9 @@ def test_nan_sampling_params_raise(kwargs: dict[str, float]) -> None:
         {"min_tokens": 100, "max_tokens": None},
         {"logprobs": 0},
         {"temperature": 0.0},
+        {"prompt_logprobs": 0},
+        {"logit_bias": {3: 100.0, 4: -100.0}},
+        {"allowed_token_ids": [5]},
     ],
     ids=repr,
 )

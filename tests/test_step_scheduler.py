@@ -471,6 +471,41 @@ def test_shared_prefix_arriving_together_is_computed_once() -> None:
     sim.check_drained()
 
 
+def test_prefix_cache_counters_count_each_new_sequence_once() -> None:
+    sim = Sim(num_blocks=64)
+    prefix = distinct_prompt(0, 4 * BS)
+    first = sim.add([*prefix, 1, 2, 3], 10)
+    second = sim.add([*prefix, 4, 5], 2)
+    other = sim.add(distinct_prompt(9, 2 * BS), 2)
+    sim.step()
+    assert second in sim.step_scheduler.waiting and second.num_cached_tokens is None
+    sim.run()
+    sim.check_drained()
+    # The second looked its prefix up twice (the first time it stayed waiting) but counts once.
+    assert (first.num_cached_tokens, second.num_cached_tokens, other.num_cached_tokens) == (0, 4 * BS, 0)
+    assert sim.step_scheduler.num_prefix_cache_queries == (4 * BS + 3) + (4 * BS + 2) + 2 * BS
+    assert sim.step_scheduler.num_prefix_cache_hits == 4 * BS
+    assert all(s.first_scheduled_time is not None for s in (first, second, other))
+
+
+def test_a_sequence_that_needs_prompt_logprobs_takes_no_cached_prefix() -> None:
+    sim = Sim(num_blocks=32)
+    prompt = distinct_prompt(0, 2 * BS + 3)
+    _run_one(sim, prompt, 1)
+    queries = sim.step_scheduler.num_prefix_cache_queries
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    seq = Sequence(99, "pl", prompt, params, arrival=99)
+    sched = sim.step_scheduler
+    sched.add(seq)
+    out = sched.schedule()
+    assert out.seqs == [seq] and out.num_new_tokens == [len(prompt)] and seq.num_cached_tokens == 0
+    assert sched.num_prefix_cache_queries == queries  # nothing was looked up
+    sched.update_computed(out)
+    sched.finish(seq, "length")
+    sim.allocator.check_invariants()
+    assert sim.allocator.num_free_blocks == sim.allocator.num_blocks
+
+
 @pytest.mark.parametrize("num_blocks_in_prompt", [1, 3])
 def test_block_aligned_prompt_still_computes_its_last_token(num_blocks_in_prompt: int) -> None:
     sim = Sim(num_blocks=32)

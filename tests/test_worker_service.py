@@ -269,3 +269,86 @@ def test_worker_declared_dead_drops_its_requests_and_rejoins(worker: WorkerServi
     pubsub = subscribe(client, keys, "r9")
     assign(client, keys, request("r9"))
     assert collect(worker, pubsub, 1)[-1].finish_reason == "length"
+
+
+def beat_of(worker: WorkerService) -> Heartbeat:
+    worker.heartbeat()
+    return Heartbeat.from_hash(worker.redis.hgetall(worker.keys.worker("w1")))  # type: ignore[arg-type]
+
+
+def test_first_events_carry_cached_tokens_and_last_events_timings_and_heartbeat_counts_exactly(
+    worker: WorkerService,
+) -> None:
+    client, keys = worker.redis, worker.keys
+    before = beat_of(worker)
+    assert (before.dtype, before.device) == ("float32", "cpu")
+    cached = []
+    for rid in ("c1", "c2", "c3"):  # one after the other: each alone in its steps
+        pubsub = subscribe(client, keys, rid)
+        assign(client, keys, request(rid))
+        events = collect(worker, pubsub, 1)
+        assert events[0].start == 0 and all(e.num_cached_tokens is None for e in events[1:])
+        cached.append(events[0].num_cached_tokens)
+        assert all(e.timings is None for e in events[:-1]) and all(e.prompt_logprobs is None for e in events)
+        timings = events[-1].timings
+        assert timings is not None and min(timings.queued_s, timings.prefill_s) >= 0 and timings.decode_s > 0
+    assert cached == [0, 16, 16]  # 18 prompt tokens: one full block is shared, the last token is computed
+    after = beat_of(worker)
+    assert after.prefix_cache_queries_total - before.prefix_cache_queries_total == 3 * len(PROMPT)
+    assert after.prefix_cache_hits_total - before.prefix_cache_hits_total == 32
+    # Prompt tokens computed (the cached ones are not) plus tokens sampled.
+    assert after.iteration_tokens_sum - before.iteration_tokens_sum == 3 * (len(PROMPT) + 12) - 32
+    deltas = [a - b for a, b in zip(after.iteration_tokens_buckets, before.iteration_tokens_buckets)]
+    # Per request: one step of 18 prompt tokens + 1 sampled (fewer once 16 are cached), then 11 of one token.
+    assert deltas[0] == 3 * 11 and deltas[-1] == 3 * 12
+
+
+def test_first_events_of_every_sample_carry_the_prompt_logprobs(worker: WorkerService, offline: LLM) -> None:
+    client, keys = worker.redis, worker.keys
+    pubsub = subscribe(client, keys, "pl")
+    assign(client, keys, request("pl", n=2, temperature=1.0, seed=4, prompt_logprobs=2))
+    events = collect(worker, pubsub, 2)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=2)
+    expected = offline.generate([PROMPT], params, use_tqdm=False)[0].prompt_logprobs
+    assert expected is not None
+    for index in (0, 1):
+        first, *rest = [e for e in events if e.index == index]
+        assert first.start == 0 and all(e.prompt_logprobs is None for e in rest)
+        assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(PROMPT)
+        assert first.prompt_logprobs[0] is None and first.num_cached_tokens == 0
+        for token, entry, want in zip(PROMPT[1:], first.prompt_logprobs[1:], expected[1:]):
+            assert entry is not None and want is not None and entry.token_id == token
+            assert len(entry.top) == 2
+            assert {token: entry.logprob, **entry.top} == pytest.approx(want, abs=1e-4)
+
+
+def test_a_resumed_sample_asking_for_prompt_logprobs_continues_unchanged(
+    worker: WorkerService, offline: LLM
+) -> None:
+    client, keys = worker.redis, worker.keys
+    full = greedy(offline, PROMPT, 12)
+    resumed = request("plr", prompt_logprobs=1).model_copy(update={"samples": [0], "resume": {0: full[:5]}})
+    pubsub = subscribe(client, keys, "plr")
+    assign(client, keys, resumed)
+    events = collect(worker, pubsub, 1)
+    assert events[0].start == 5 and all(
+        e.prompt_logprobs is None and e.num_cached_tokens is None for e in events
+    )
+    assert [t for e in events for t in e.token_ids] == full[5:]
+    assert events[-1].timings is not None
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_sampler(worker: WorkerService) -> None:
+    client, keys = worker.redis, worker.keys
+    pubsub = subscribe(client, keys, "lb")
+    assign(
+        client,
+        keys,
+        request("lb", n=2, temperature=1.0, seed=2, allowed_token_ids=[50, 51], logit_bias={51: 5.0}),
+    )
+    events = collect(worker, pubsub, 2)
+    assert {t for e in events for t in e.token_ids} <= {50, 51}
+    pubsub = subscribe(client, keys, "oov")
+    assign(client, keys, request("oov", logit_bias={10**7: 1.0}))
+    error = collect(worker, pubsub, 1)[-1].error
+    assert error is not None and error.code is ErrorCode.INVALID_REQUEST and "logit_bias" in error.message
