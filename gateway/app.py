@@ -7,7 +7,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
@@ -215,39 +215,13 @@ class Gateway:
     def _respond(self, generation: Generation) -> Response:
         response_format = ResponseFormat(generation, self.tokenizer, self.model_name)
         if generation.prepared.stream:
-            response = Response(event_stream(generation, response_format), mimetype="text/event-stream")
-            response.headers["Cache-Control"] = "no-cache"
-            response.headers["X-Accel-Buffering"] = "no"  # a proxy in front must not buffer the stream
-            response.call_on_close(generation.close)
-            return response
-        try:
-            for _ in generation.updates():
-                pass
-        except GenerationError as e:
-            raise APIError.of(e) from e
-        except ClientDisconnected:
-            return Response(status=499)  # nobody reads it; the request goes unless resumed
-        finally:
-            generation.close()
-        return jsonify(response_format.response())
+            return _streamed(event_stream(generation, response_format), generation.close)
+        return _waited(generation.updates(), generation.close) or jsonify(response_format.response())
 
     def _respond_batch(self, batch: PromptBatch) -> Response:
         if batch.stream:
-            response = Response(batch_event_stream(batch), mimetype="text/event-stream")
-            response.headers["Cache-Control"] = "no-cache"
-            response.headers["X-Accel-Buffering"] = "no"
-            response.call_on_close(batch.close)
-            return response
-        try:
-            for _ in batch.updates():
-                pass
-        except GenerationError as e:
-            raise APIError.of(e) from e
-        except ClientDisconnected:
-            return Response(status=499)
-        finally:
-            batch.close()
-        return jsonify(batch.response())
+            return _streamed(batch_event_stream(batch), batch.close)
+        return _waited(batch.updates(), batch.close) or jsonify(batch.response())
 
     # -- models and tokens --------------------------------------------------------------------------
 
@@ -321,6 +295,30 @@ class Gateway:
 
     def version(self) -> Response:
         return jsonify({"version": openapi.VERSION})
+
+
+def _streamed(events: Iterator[str], close: Callable[[], None]) -> Response:
+    """A streamed response; close() runs when it ends, whether its client read it all or dropped."""
+    response = Response(events, mimetype="text/event-stream")
+    response.headers["Cache-Control"] = "no-cache"
+    response.headers["X-Accel-Buffering"] = "no"  # a proxy in front must not buffer the stream
+    response.call_on_close(close)
+    return response
+
+
+def _waited(updates: Iterator[object], close: Callable[[], None]) -> Response | None:
+    """Run updates to the end, then close(): None when it finished, a 499 when the client left (nobody reads
+    it; the request goes unless resumed); a failure is raised as the client's error."""
+    try:
+        for _ in updates:
+            pass
+    except GenerationError as e:
+        raise APIError.of(e) from e
+    except ClientDisconnected:
+        return Response(status=499)
+    finally:
+        close()
+    return None
 
 
 def create_app(settings: GatewaySettings | None = None) -> Flask:

@@ -14,17 +14,17 @@ from typing import Any
 
 import redis
 
-from gateway import metrics
 from gateway.attachments import Attachments
 from gateway.event_hub import EventHub
 from gateway.output import SampleOutput
 from gateway.prepare import Prepared
+from gateway.request_metrics import RequestMetrics
 from gateway.token_receiver import GenerationError, SampleTokens, TokenReceiver
 from gateway.tokenization import Tokenizer
 from gateway.worker_watch import WorkerWatch
 from shared.errors import ErrorCode
 from shared.keys import REQUESTS_STREAM_MAXLEN, Keys
-from shared.protocol import AbortMessage, RequestTimings, encode
+from shared.protocol import AbortMessage, encode
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,6 @@ class Generation:
         self.prepared = prepared
         self._client = client
         self._keys = keys
-        self._labels = {"model_name": model_name}
         self._limits = limits
         self._watch = watch
         self._attachments = attachments
@@ -125,9 +124,7 @@ class Generation:
             )
             for i in range(n)
         ]
-        self._last_token_at: list[float | None] = [None] * n
-        self._timings: list[RequestTimings] = []  # of the samples that ended, as their workers measured them
-        self._first_token_seen = False
+        self._metrics = RequestMetrics(model_name, self._arrived, n)
         self.aborted: str | None = None
         self._receiver = TokenReceiver(
             client,
@@ -290,50 +287,18 @@ class Generation:
             sample = self.samples[tokens.index]
             if sample.finished:
                 continue
-            self._observe(tokens)
+            if not self.reattached:  # a re-read stream's latencies are not the request's
+                self._metrics.tokens(tokens)
             sample.add(tokens)
-            if tokens.timings is not None:
-                self._timings.append(tokens.timings)
             changed[sample.index] = sample
         return list(changed.values())
 
-    def _observe(self, tokens: SampleTokens) -> None:
-        if not tokens.token_ids or self.reattached:  # a re-read stream's latencies are not the request's
-            return
-        if not self._first_token_seen:
-            self._first_token_seen = True
-            metrics.TIME_TO_FIRST_TOKEN.labels(**self._labels).observe(tokens.arrived_at - self._arrived)
-        last = self._last_token_at[tokens.index]
-        if last is not None:
-            metrics.INTER_TOKEN_LATENCY.labels(**self._labels).observe(tokens.arrived_at - last)
-            metrics.TIME_PER_OUTPUT_TOKEN.labels(**self._labels).observe(tokens.arrived_at - last)
-        self._last_token_at[tokens.index] = tokens.arrived_at
-
     def _finished(self) -> None:
         if not self.reattached:
-            metrics.E2E_REQUEST_LATENCY.labels(**self._labels).observe(time.monotonic() - self._arrived)
-            for sample in self.samples:
-                metrics.REQUEST_SUCCESS.labels(finished_reason=sample.finish_reason, **self._labels).inc()
-            self._observe_request()
+            reasons = [s.finish_reason or "" for s in self.samples]
+            self._metrics.finished(self.request, reasons, self.num_completion_tokens)
         if any(s.stopped_here for s in self.samples) and not self._receiver.done:
             self.abort("stop")
-
-    def _observe_request(self) -> None:
-        """The per-request histograms of a request that finished here."""
-        labels = self._labels
-        sampling = self.request.sampling
-        metrics.REQUEST_PROMPT_TOKENS.labels(**labels).observe(self.num_prompt_tokens)
-        metrics.REQUEST_GENERATION_TOKENS.labels(**labels).observe(self.num_completion_tokens)
-        metrics.REQUEST_PARAMS_N.labels(**labels).observe(sampling.n)
-        if sampling.max_tokens is not None:
-            metrics.REQUEST_PARAMS_MAX_TOKENS.labels(**labels).observe(sampling.max_tokens)
-        if self._timings:  # (none when every sample ended by a stop string before its worker's end came)
-            # The samples share their prompt's prefill; the request decodes until its last sample ends.
-            prefill = min(t.prefill_s for t in self._timings)
-            decode = max(t.decode_s for t in self._timings)
-            metrics.REQUEST_PREFILL_TIME.labels(**labels).observe(prefill)
-            metrics.REQUEST_DECODE_TIME.labels(**labels).observe(decode)
-            metrics.REQUEST_INFERENCE_TIME.labels(**labels).observe(prefill + decode)
 
     def abort(self, reason: str) -> None:
         """Tell the scheduler and the workers to drop the request (once; later calls do nothing)."""

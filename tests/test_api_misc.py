@@ -13,6 +13,7 @@ import pytest
 import requests
 from api_cluster import api_cluster, assert_openai_error, get, poll, post, scrape
 from cluster import MODEL_NAME, Cluster
+from test_metrics import VLLM_NAMES
 from transformers import AutoTokenizer
 
 from shared.errors import ErrorCode
@@ -316,59 +317,11 @@ def test_unknown_endpoint_and_method(cluster: Cluster) -> None:
 
 # -- metrics (vLLM's test_metrics.py) -----------------------------------------------------------------------
 
-# vLLM's EXPECTED_METRICS_V1 less the names it hides unless --show-hidden-metrics-for-version is given.
-EXPECTED_METRICS = [
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:prefix_cache_queries",
-    "vllm:prefix_cache_hits",
-    "vllm:num_preemptions_total",
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:iteration_tokens_total",
-    "vllm:cache_config_info",
-    "vllm:request_success_total",
-    "vllm:request_prompt_tokens_sum",
-    "vllm:request_prompt_tokens_bucket",
-    "vllm:request_prompt_tokens_count",
-    "vllm:request_generation_tokens_sum",
-    "vllm:request_generation_tokens_bucket",
-    "vllm:request_generation_tokens_count",
-    "vllm:request_params_n_sum",
-    "vllm:request_params_n_bucket",
-    "vllm:request_params_n_count",
-    "vllm:request_params_max_tokens_sum",
-    "vllm:request_params_max_tokens_bucket",
-    "vllm:request_params_max_tokens_count",
-    "vllm:time_to_first_token_seconds_sum",
-    "vllm:time_to_first_token_seconds_bucket",
-    "vllm:time_to_first_token_seconds_count",
-    "vllm:inter_token_latency_seconds_sum",
-    "vllm:inter_token_latency_seconds_bucket",
-    "vllm:inter_token_latency_seconds_count",
-    "vllm:e2e_request_latency_seconds_sum",
-    "vllm:e2e_request_latency_seconds_bucket",
-    "vllm:e2e_request_latency_seconds_count",
-    "vllm:request_queue_time_seconds_sum",
-    "vllm:request_queue_time_seconds_bucket",
-    "vllm:request_queue_time_seconds_count",
-    "vllm:request_inference_time_seconds_sum",
-    "vllm:request_inference_time_seconds_bucket",
-    "vllm:request_inference_time_seconds_count",
-    "vllm:request_prefill_time_seconds_sum",
-    "vllm:request_prefill_time_seconds_bucket",
-    "vllm:request_prefill_time_seconds_count",
-    "vllm:request_decode_time_seconds_sum",
-    "vllm:request_decode_time_seconds_bucket",
-    "vllm:request_decode_time_seconds_count",
-]
-
 
 def test_metrics_exist(client: openai.OpenAI, cluster: Cluster) -> None:
     client.completions.create(model=MODEL_NAME, prompt="Hello, my name is", max_tokens=5, temperature=0.0)
     text = get(cluster, "/metrics").text
-    missing = [name for name in EXPECTED_METRICS if name not in text]
+    missing = [name for name in VLLM_NAMES if name not in text]
     assert not missing, missing
 
 

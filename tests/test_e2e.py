@@ -296,7 +296,7 @@ def test_client_disconnect_aborts_the_request(cluster: Cluster) -> None:
         ("/v1/completions", b"{not json", 400),
         ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": -1}, 400),
         ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 10**9}, 400),
-        ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "bogus": 1}, 400),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "logit_bias": {"not an id": 1}}, 400),
         ("/v1/completions", {"model": MODEL_NAME, "prompt": 5}, 400),
         ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400),
         ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user"}]}, 400),
