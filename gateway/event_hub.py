@@ -64,8 +64,11 @@ class EventHub:
         self.epoch = 0  # connections made so far; a change means messages may have been missed
         self.down_since: float | None = None  # while the connection is lost
 
-    def subscribe(self, channel: str, timeout: float, wakeup: threading.Event | None = None) -> Subscription:
-        """Subscribe and wait for Redis to confirm it; raises redis.TimeoutError when it does not in time."""
+    def subscribe(
+        self, channel: str, timeout: float, wakeup: threading.Event | None = None, *, wait: bool = True
+    ) -> Subscription:
+        """Subscribe and wait for Redis to confirm it (wait=False: confirm() waits later, so that several
+        subscriptions are confirmed together); raises redis.TimeoutError when it does not in time."""
         subscription = Subscription(channel, wakeup=wakeup)
         with self._lock:
             known = self._channels.get(channel)
@@ -76,10 +79,18 @@ class EventHub:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="event-hub", daemon=True)
                 self._thread.start()
-        if not known.confirmed.wait(timeout):
-            self.unsubscribe(subscription)
-            raise redis.TimeoutError(f"no confirmation of the subscription to {channel}")
+        if wait:
+            self.confirm(subscription, timeout)
         return subscription
+
+    def confirm(self, subscription: Subscription, timeout: float) -> None:
+        """Wait for Redis to confirm a subscription; raises redis.TimeoutError (and unsubscribes) when it does
+        not in time."""
+        with self._lock:
+            known = self._channels.get(subscription.channel)
+        if known is None or not known.confirmed.wait(timeout):
+            self.unsubscribe(subscription)
+            raise redis.TimeoutError(f"no confirmation of the subscription to {subscription.channel}")
 
     def unsubscribe(self, subscription: Subscription) -> None:
         with self._lock:

@@ -174,7 +174,8 @@ class Generation:
 
     def submit(self, owner: str = "", pipe: redis.client.Pipeline | None = None) -> None:
         """Queue the request, with the record of it a resumed stream reads (one MULTI; with pipe, the caller's
-        pipeline, which the caller executes)."""
+        pipeline, which the caller executes), once its subscription is in place."""
+        self._receiver.confirm()
         rid = self.request_id
         own = pipe is None
         if pipe is None:

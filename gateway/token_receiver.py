@@ -79,9 +79,16 @@ class TokenReceiver:
         self.finished: dict[int, str] = {}
         self._outage_grace_s = outage_grace_s
         self._hub = hub
-        # Confirmed on return: the subscription is in place before the request is queued.
-        self._subscription = hub.subscribe(keys.events(request_id), SUBSCRIBE_TIMEOUT_S, wakeup)
+        # In place before the request is queued: confirmed on return, or (with a shared wake-up) by confirm().
+        self._subscription = hub.subscribe(
+            keys.events(request_id), SUBSCRIBE_TIMEOUT_S, wakeup, wait=wakeup is None
+        )
         self._epoch = hub.epoch
+
+    def confirm(self) -> None:
+        """Wait for the subscription to be in place (at once when it was confirmed on creation)."""
+        self._hub.confirm(self._subscription, SUBSCRIBE_TIMEOUT_S)
+        self._epoch = self._hub.epoch
 
     @property
     def pending(self) -> bool:
