@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 from cluster import Cluster, free_port, running_cluster, service_env
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,6 +32,24 @@ def api_cluster(
     env = service_env(redis_url, prefix, model, free_port(), NUM_KV_BLOCKS=str(NUM_KV_BLOCKS), **overrides)
     with running_cluster(env, logs, ("w1",), without_engine) as c:
         yield c
+
+
+def cluster_fixture(model_fixture: str, **overrides: str) -> Any:
+    """A module-scoped `cluster` fixture: api_cluster serving the model that fixture names, with overrides."""
+
+    @pytest.fixture(scope="module")
+    def cluster(
+        request: pytest.FixtureRequest,
+        redis_url: str,
+        tmp_path_factory: pytest.TempPathFactory,
+        without_engine: dict[str, str],
+    ) -> Iterator[Cluster]:
+        model = request.getfixturevalue(model_fixture)
+        logs = tmp_path_factory.mktemp("logs")
+        with api_cluster(model, redis_url, logs, without_engine, **overrides) as c:
+            yield c
+
+    return cluster
 
 
 def post(cluster: Cluster, path: str, body: Any, headers: dict[str, str] | None = None) -> requests.Response:

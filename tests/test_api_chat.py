@@ -6,12 +6,11 @@ that need the default model's real text are in test_stop_strings.py)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-from api_cluster import api_cluster, extra, post
+from api_cluster import cluster_fixture, extra, post
 from cluster import MODEL_NAME, Cluster
 
 MESSAGES: list[dict[str, Any]] = [
@@ -26,15 +25,7 @@ CONVERSATION: list[dict[str, Any]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster(
-    tiny_model_path: str,
-    redis_url: str,
-    tmp_path_factory: pytest.TempPathFactory,
-    without_engine: dict[str, str],
-) -> Iterator[Cluster]:
-    with api_cluster(tiny_model_path, redis_url, tmp_path_factory.mktemp("logs"), without_engine) as c:
-        yield c
+cluster = cluster_fixture("tiny_model_path")
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,11 @@ random model."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-from api_cluster import api_cluster, extra, post
+from api_cluster import cluster_fixture, extra, post
 from cluster import MODEL_NAME, Cluster
 
 TOKEN_IDS = [1000, 1001, 1002, 1003, 1004]
@@ -18,15 +17,7 @@ PROMPT = "Hello, my name is"
 THE, CAT, DOG = 260, 2644, 2767  # " the", " cat", " dog" in the SmolLM2 vocabulary
 
 
-@pytest.fixture(scope="module")
-def cluster(
-    tiny_model_path: str,
-    redis_url: str,
-    tmp_path_factory: pytest.TempPathFactory,
-    without_engine: dict[str, str],
-) -> Iterator[Cluster]:
-    with api_cluster(tiny_model_path, redis_url, tmp_path_factory.mktemp("logs"), without_engine) as c:
-        yield c
+cluster = cluster_fixture("tiny_model_path")
 
 
 @pytest.fixture(scope="module")

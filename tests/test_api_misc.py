@@ -5,13 +5,12 @@ stack serving the tiny random model, with an API key."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 import requests
-from api_cluster import api_cluster, assert_openai_error, get, poll, post, scrape
+from api_cluster import assert_openai_error, cluster_fixture, get, poll, post, scrape
 from cluster import MODEL_NAME, Cluster
 from test_metrics import VLLM_NAMES
 from transformers import AutoTokenizer
@@ -23,23 +22,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 1024
 
 
-@pytest.fixture(scope="module")
-def cluster(
-    tiny_model_path: str,
-    redis_url: str,
-    tmp_path_factory: pytest.TempPathFactory,
-    without_engine: dict[str, str],
-) -> Iterator[Cluster]:
-    with api_cluster(
-        tiny_model_path,
-        redis_url,
-        tmp_path_factory.mktemp("logs"),
-        without_engine,
-        API_KEYS=API_KEY,
-        GATEWAY_WORKERS="2",
-        MAX_MODEL_LEN=str(MAX_MODEL_LEN),
-    ) as c:
-        yield c
+cluster = cluster_fixture(
+    "tiny_model_path", API_KEYS=API_KEY, GATEWAY_WORKERS="2", MAX_MODEL_LEN=str(MAX_MODEL_LEN)
+)
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,13 @@ REST API serving the default model: greedy text is generated once, and each stop
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import openai
 import pytest
-from api_cluster import api_cluster, extra, post
+from api_cluster import cluster_fixture, extra, post
 from cluster import MODEL_NAME, Cluster
 
 pytestmark = pytest.mark.slow
@@ -42,15 +42,7 @@ class Reference:
         raise AssertionError(f"no such stop string in {self.text!r}")
 
 
-@pytest.fixture(scope="module")
-def cluster(
-    smollm2_path: str,
-    redis_url: str,
-    tmp_path_factory: pytest.TempPathFactory,
-    without_engine: dict[str, str],
-) -> Iterator[Cluster]:
-    with api_cluster(smollm2_path, redis_url, tmp_path_factory.mktemp("logs"), without_engine) as c:
-        yield c
+cluster = cluster_fixture("smollm2_path")
 
 
 @pytest.fixture(scope="module")
