@@ -39,6 +39,10 @@ def sampling_params(spec: SamplingSpec, **overrides: Any) -> SamplingParams:
         "prompt_logprobs": spec.prompt_logprobs,
         "logit_bias": dict(spec.logit_bias),
         "allowed_token_ids": None if spec.allowed_token_ids is None else list(spec.allowed_token_ids),
+        "structured": spec.structured,
+        "use_beam_search": spec.use_beam_search,
+        "best_of": spec.best_of,
+        "length_penalty": spec.length_penalty,
     }
     values.update(overrides)
     try:

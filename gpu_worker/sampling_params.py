@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.protocol import StructuredSpec
+
 _EPS = 1e-5
 
 
@@ -30,6 +32,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # None: any token may be sampled
     skip_special_tokens: bool = True
+    structured: StructuredSpec | None = None  # None: free text; else the grammar the output follows
+    use_beam_search: bool = False  # beam search over best_of beams, returning the n best
+    best_of: int | None = None  # beam search: the beam width (None: n)
+    length_penalty: float = 1.0  # beam search: a finished beam scores sum(logprobs) / length**length_penalty
 
     def __post_init__(self) -> None:
         if self.n < 1:

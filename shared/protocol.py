@@ -34,6 +34,19 @@ def decode(cls: type[M], data: str | bytes) -> M:
     return cls.model_validate_json(data)
 
 
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+class StructuredSpec(BaseModel):
+    """What a structured output must follow: a JSON schema (as text), any JSON object, a regular expression,
+    one of a JSON list of strings, or a grammar (Lark or GBNF). shared.structured turns it into a grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: StructuredKind
+    value: str = ""
+
+
 class SamplingSpec(BaseModel):
     """How to sample: the one definition on the wire. The gateway's request schemas hold the API's limits
     and build it; the worker converts it into the engine's SamplingParams in one function
@@ -61,6 +74,12 @@ class SamplingSpec(BaseModel):
     logit_bias: dict[int, float] = Field(default_factory=dict)
     # Only these tokens may be sampled (None: any).
     allowed_token_ids: list[int] | None = None
+    # The output follows this grammar (None: free text).
+    structured: StructuredSpec | None = None
+    # Beam search over best_of beams (None: n), returning the n best; scores divided by length**length_penalty.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
 
 
 class GenerateRequest(WireModel):
