@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
+from llguidance import LLMatcher
+
 from gpu_worker.sampling_params import SamplingParams
 
 
@@ -30,6 +32,7 @@ class Sequence:
         "last_block_hash",
         "last_token_time",
         "logprobs",
+        "matcher",
         "num_cached_blocks",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -78,6 +81,8 @@ class Sequence:
         self.seed: int | None = None
         # Samples still to be forked from this one once its prompt is computed (n > 1).
         self.num_pending_forks = params.n - 1
+        # Structured output: the grammar matcher, in step with the output tokens (None: free text).
+        self.matcher: LLMatcher | None = None
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         # Entry j: prompt token j + 1 given the tokens before it (params.prompt_logprobs only).
