@@ -10,25 +10,20 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from gateway.body_model import Body
+from gateway.structured_params import OutputControlBody
+
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one completions request; each is a request of its own to the scheduler
 _INT64 = 2**63
 _TokenIds = list[Annotated[int, Field(ge=0)]]
-
-
-class Body(BaseModel):
-    """A JSON body: strict types (no "5" for 5); unknown fields are kept aside (model_extra) and ignored."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
 
 
 def _token_id_keys(value: Any) -> Any:
@@ -64,13 +59,6 @@ LogitBias = Annotated[
 ]
 
 
-class ResponseFormatParam(Body):
-    """The format of the output: only plain text for now (json_object and json_schema are refused)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class StreamOptions(Body):
     """What a stream carries besides the tokens."""
 
@@ -102,7 +90,7 @@ class ChatMessage(Body):
         return "\n".join(part.text for part in self.content)
 
 
-class SamplingBody(Body):
+class SamplingBody(OutputControlBody):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -133,10 +121,6 @@ class SamplingBody(Body):
         None,
         description="keep only the last k prompt tokens (-1: as many as the model's context holds) (vLLM)",
     )
-    response_format: ResponseFormatParam | None = Field(
-        None,
-        description='only {"type": "text"}: structured outputs (json_object, json_schema) are not served yet',
-    )
     include_stop_str_in_output: bool = Field(
         False, description="keep the stop string or stop token that ended a sample in its text (vLLM)"
     )
@@ -149,16 +133,6 @@ class SamplingBody(Body):
     def _truncate_keeps_a_token(cls, value: int | None) -> int | None:
         if value == 0:
             raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: ResponseFormatParam | None) -> ResponseFormatParam | None:
-        if value is not None and value.type != "text":
-            raise ValueError(
-                f"response_format of type '{value.type}' is not supported: structured outputs are not "
-                'served yet; use {"type": "text"} or leave response_format out'
-            )
         return value
 
     @field_validator("stop")

@@ -66,7 +66,8 @@ def engine_requests(request: GenerateRequest) -> list[EngineRequest]:
     """What the engine runs for a request: itself, or each sample resuming after the tokens it streamed."""
     spec = request.sampling
     rid = request.request_id
-    if request.samples is None and not request.resume:
+    # A beam search streams nothing before it ends, so after a failover it starts again from its prompt.
+    if (request.samples is None and not request.resume) or spec.use_beam_search:
         return [EngineRequest(rid, request.prompt_token_ids, sampling_params(spec), None, 0)]
     out = []
     for index in request.sample_indices():

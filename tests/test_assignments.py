@@ -15,12 +15,13 @@ from gateway.tokenization import Tokenizer, load_tokenizer
 from gpu_worker.assignments import engine_requests, read_assignment, salvage_request, sampling_params
 from gpu_worker.sampling_params import SamplingParams
 from shared.errors import CodedError, ErrorCode, RequestRejected
-from shared.protocol import Assignment, GenerateRequest, SamplingSpec, encode
+from shared.protocol import Assignment, GenerateRequest, SamplingSpec, StructuredSpec, encode
 
 # Options of the offline API that never travel: the gateway detokenizes itself.
 ENGINE_ONLY = {"skip_special_tokens"}
-# Computed by the gateway per endpoint (max_completion_tokens, top_logprobs), not copied from the body.
-PER_ENDPOINT = {"max_tokens", "logprobs"}
+# Computed by the gateway per endpoint (max_completion_tokens, top_logprobs) or from several fields (the
+# structured output: response_format, structured_outputs, guided_*), not copied from the body.
+PER_ENDPOINT = {"max_tokens", "logprobs", "structured"}
 
 # A value other than the default for every field of the spec.
 NON_DEFAULT = {
@@ -41,7 +42,14 @@ NON_DEFAULT = {
     "prompt_logprobs": 1,
     "logit_bias": {5: 1.5, 9: -100.0},
     "allowed_token_ids": [3, 4, 5],
+    "structured": StructuredSpec(kind="regex", value="[a-z]+"),
+    "use_beam_search": True,
+    "best_of": 3,
+    "length_penalty": 0.5,
 }
+# Beam search refuses penalties, logit_bias and the rest (tests/test_gateway_output_control.py): the gateway
+# builds every other field in one request.
+NOT_BEAM = {**NON_DEFAULT, "use_beam_search": False}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +78,8 @@ def test_the_gateway_schema_sets_every_spec_field(tok: Tokenizer) -> None:
     for name in set(SamplingSpec.model_fields) - PER_ENDPOINT:
         body_default = SamplingBody.model_fields[name].get_default(call_default_factory=True)
         assert body_default == SamplingSpec.model_fields[name].get_default(call_default_factory=True), name
-    common = {k: v for k, v in NON_DEFAULT.items() if k not in PER_ENDPOINT}
+    common: dict[str, object] = {k: v for k, v in NOT_BEAM.items() if k not in PER_ENDPOINT}
+    common["guided_regex"] = "[a-z]+"
     completion = CompletionRequest.model_validate({"prompt": "hi", "max_tokens": 7, "logprobs": 2, **common})
     chat = ChatCompletionRequest.model_validate(
         {
@@ -82,7 +91,7 @@ def test_the_gateway_schema_sets_every_spec_field(tok: Tokenizer) -> None:
         }
     )
     for prepared in (prepare_completion(completion, tok), prepare_chat(chat, tok)):
-        assert prepared.request.sampling == SamplingSpec(**NON_DEFAULT)  # type: ignore[arg-type]
+        assert prepared.request.sampling == SamplingSpec(**NOT_BEAM)  # type: ignore[arg-type]
 
 
 def test_values_the_engine_refuses_are_rejected_with_a_code() -> None:
@@ -121,6 +130,20 @@ def test_only_a_sample_resumed_from_its_start_asks_for_prompt_logprobs_again() -
     # Its first event, which carried them, went out before its worker died; its "prompt" now ends in outputs.
     assert resumed.params is not None and resumed.params.prompt_logprobs is None and resumed.start == 2
     assert fresh.params.allowed_token_ids == resumed.params.allowed_token_ids == [8, 9]
+
+
+def test_a_beam_search_resumed_after_a_failover_starts_again_from_its_prompt() -> None:
+    beams = SamplingSpec(n=2, use_beam_search=True, best_of=3, max_tokens=10)
+    (plan,) = engine_requests(make_request(sampling=beams, samples=[1], resume={1: []}))
+    assert (plan.engine_id, plan.index, plan.start, plan.prompt_token_ids) == ("r", None, 0, [1, 2, 3])
+    assert plan.params is not None and plan.params.use_beam_search and plan.params.max_tokens == 10
+
+
+def test_a_resumed_structured_sample_keeps_its_grammar() -> None:
+    spec = SamplingSpec(max_tokens=10, structured=StructuredSpec(kind="regex", value="[0-9]+"))
+    (plan,) = engine_requests(make_request(sampling=spec, samples=[0], resume={0: [7, 7]}))
+    # The prompt ends in the two tokens it streamed; the engine's matcher consumes them (start says how many).
+    assert plan.start == 2 and plan.params is not None and plan.params.structured == spec.structured
 
 
 def test_an_unreadable_assignment_is_a_protocol_error_and_its_request_is_salvaged() -> None:

@@ -1,6 +1,6 @@
 """The request side of the vLLM-compatible API, through the Flask test client over a real Redis.
 
-Unknown fields (ignored and named), response_format, logit_bias and allowed_token_ids,
+Unknown fields (ignored and named), logit_bias and allowed_token_ids,
 truncate_prompt_tokens, the chat template's options and chat echo, /tokenize's options, /version, CORS. A
 thread plays the worker where a request must finish (tests/test_gateway.py's FakeWorker).
 """
@@ -114,21 +114,7 @@ def test_known_fields_beside_unknown_ones_are_still_checked(client, r, keys, pat
     assert queued(r, keys) == 0
 
 
-# -- response_format, logit_bias, allowed_token_ids ------------------------------------------------------
-
-
-@pytest.mark.usefixtures("worker")
-def test_response_format_text_is_served_and_structured_outputs_are_refused(client, r, keys) -> None:
-    for path, body in ((CMPL, {"prompt": "hi"}), (CHAT, {"messages": USER})):
-        r.delete(keys.requests)
-        for kind in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
-            error = assert_openai_error(client.post(path, json={**body, "response_format": kind}), 400)
-            assert error["param"] == "response_format" and kind["type"] in error["message"]
-            assert "unknown" not in error["message"]
-        error = assert_openai_error(client.post(path, json={**body, "response_format": {"type": "xml"}}), 400)
-        assert error["param"] == "response_format.type"
-        assert queued(r, keys) == 0
-        assert sent(client, r, keys, path, {**body, "response_format": {"type": "text"}})
+# -- logit_bias, allowed_token_ids ------------------------------------------------------------------------
 
 
 @pytest.mark.usefixtures("worker")
