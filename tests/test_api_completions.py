@@ -358,14 +358,70 @@ def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
     assert raw.parse().choices[0].text is not None
 
 
-# -- left for later issues ----------------------------------------------------------------------------------
+# -- beam search and structured outputs --------------------------------------------------------------------
 
 
-@pytest.mark.skip(reason="beam search is a later issue")
-def test_batch_completions_with_beam_search() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_batch_completions_with_beam_search(client: openai.OpenAI, stream: bool) -> None:
     """vLLM's test_batch_completions with use_beam_search=True: n=2 beams differ, copies of a prompt agree."""
+    beams = {"use_beam_search": True}
+    if not stream:
+        batch = complete(client, prompt=[PROMPT, PROMPT], n=2, extra_body=beams)
+        texts = [c.text for c in sorted(batch.choices, key=lambda c: c.index)]
+    else:
+        texts = ["", "", "", ""]
+        for chunk in complete(client, prompt=[PROMPT, PROMPT], n=2, stream=True, extra_body=beams):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+    assert len(texts) == 4
+    assert texts[0] != texts[1]
+    assert texts[:2] == texts[2:]
 
 
-@pytest.mark.skip(reason="structured outputs are a later issue")
-def test_invalid_structured_outputs() -> None:
+def test_beam_search_is_deterministic_and_best_of_widens_it(client: openai.OpenAI) -> None:
+    one = complete(client, prompt=PROMPT, max_tokens=8, extra_body={"use_beam_search": True, "best_of": 4})
+    two = complete(client, prompt=PROMPT, max_tokens=8, extra_body={"use_beam_search": True, "best_of": 4})
+    assert one.choices[0].text == two.choices[0].text
+    assert len(one.choices) == 1 and one.choices[0].finish_reason in {"stop", "length"}
+
+
+@pytest.mark.parametrize(
+    "structured",
+    [
+        {"json": {"type": "object", "properties": {"a": {"type": "not-a-type"}}}},
+        {"json": "{not json"},
+        {"regex": "[a-"},
+        {"grammar": "start: rule_that_does_not_exist"},
+        {"choice": []},
+    ],
+    ids=["json_schema", "json_text", "regex", "grammar", "choice"],
+)
+def test_invalid_structured_outputs(client: openai.OpenAI, structured: dict[str, Any]) -> None:
     """vLLM's test_invalid_json_schema, test_invalid_regex and test_invalid_grammar: each a 400."""
+    with pytest.raises(openai.BadRequestError) as info:
+        complete(client, prompt=PROMPT, extra_body={"structured_outputs": structured})
+    assert info.value.body is not None and "structured_outputs" in str(info.value.body)
+
+
+@pytest.mark.parametrize(
+    ("extra_body", "check"),
+    [
+        (
+            {"structured_outputs": {"choice": ["red", "green", "blue"]}},
+            lambda t: t in {"red", "green", "blue"},
+        ),
+        (
+            {"structured_outputs": {"regex": "[0-9]{2}-[a-z]{3}"}},
+            lambda t: re.fullmatch("[0-9]{2}-[a-z]{3}", t),
+        ),
+        ({"guided_choice": ["alpha", "beta"]}, lambda t: t in {"alpha", "beta"}),
+    ],
+)
+def test_structured_outputs_hold_on_a_random_model(client: openai.OpenAI, extra_body, check) -> None:
+    """Even a random model's output follows the grammar: the mask, not the model, makes it so."""
+    for temperature in (0.0, 1.0):
+        out = complete(
+            client, prompt=PROMPT, max_tokens=20, n=2, temperature=temperature, extra_body=extra_body
+        )
+        for choice in out.choices:
+            assert choice.finish_reason == "stop" and check(choice.text), choice
