@@ -7,14 +7,25 @@ compiles the same grammar against its tokenizer. llguidance has no dependencies 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from llguidance import LLMatcher
+
+if TYPE_CHECKING:  # a TypedDict of the stubs only
+    from llguidance._lib import JsonCompileOptions
 from llguidance.gbnf_to_lark import any_to_lark
 
 from shared.protocol import StructuredSpec
 
 # What `json_object` asks for: any JSON object.
 ANY_JSON_OBJECT = '{"type": "object"}'
+# JSON as json.dumps writes it: ", " and ": " between items, no other whitespace. Free whitespace
+# (llguidance's default) lets a small model fill its whole budget with newlines and never close the object.
+JSON_LAYOUT: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 # A grammar's text, the regex or a schema longer than this is refused: compiling it is work for a worker.
 MAX_GRAMMAR_CHARS = 64 * 1024
 
@@ -29,12 +40,12 @@ def grammar_of(spec: StructuredSpec) -> str:
         raise GrammarError(f"the {spec.kind} is longer than {MAX_GRAMMAR_CHARS} characters")
     try:
         if spec.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT)
+            return LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, JSON_LAYOUT)
         if spec.kind == "json":
             schema = json.loads(spec.value)
             if not isinstance(schema, dict | bool):
                 raise GrammarError("a JSON schema must be an object")
-            return LLMatcher.grammar_from_json_schema(spec.value)
+            return LLMatcher.grammar_from_json_schema(spec.value, JSON_LAYOUT)
         if spec.kind == "regex":
             return LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "choice":

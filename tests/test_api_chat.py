@@ -320,7 +320,7 @@ def test_response_format_json_object_and_json_schema(client: openai.OpenAI) -> N
                 temperature=temperature,
                 response_format=response_format,
             )
-            assert out.choices[0].finish_reason == "stop"
+            assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
             reply = json.loads(out.choices[0].message.content)
             assert reply["answer"] in {"yes", "no"} and isinstance(reply["sure"], bool)
     out = chat(
