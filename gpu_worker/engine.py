@@ -8,8 +8,10 @@ import time
 from typing import Protocol
 
 import torch
+from llguidance import LLMatcher
 
 import kernels
+from gpu_worker.beam_search import BeamSearch, beam_candidates, validate_beam_search
 from gpu_worker.block_allocator import BlockAllocator
 from gpu_worker.config import EngineConfig
 from gpu_worker.kv_cache import KVCache
@@ -21,6 +23,7 @@ from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.sequence import Sequence
 from gpu_worker.step_metrics import EngineStats, IterationTokens
 from gpu_worker.step_scheduler import StepSchedule, StepScheduler
+from gpu_worker.structured_output import GrammarCache, advance
 from shared.errors import ErrorCode, RequestRejected
 
 
@@ -105,10 +108,12 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.requests: dict[str, list[Sequence]] = {}
+        self.beam_searches: dict[str, BeamSearch] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self.iteration_tokens = IterationTokens()
+        self._grammars: GrammarCache | None = None  # built at the first structured request
 
     def _eos_token_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id
@@ -119,9 +124,19 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        *,
+        num_resumed_tokens: int = 0,
     ) -> None:
-        """Queue a request; raises RequestRejected (a ValueError) for one that can never run."""
+        """Queue a request; raises RequestRejected (a ValueError) for one that can never run.
+
+        num_resumed_tokens: the last k prompt tokens are output that a sample resumed here (after a failover)
+        already streamed; a grammar (params.structured) takes them as its first output tokens.
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._validate(prompt_token_ids, params)
@@ -134,12 +149,21 @@ class LLMEngine:
             arrival=next(self._arrivals),
         )
         seq.seed = self._sample_seed(params, 0)
+        if params.use_beam_search:
+            seq.num_pending_forks = 0  # beams fork as the search goes
+            self.beam_searches[request_id] = BeamSearch(seq, self._stop_token_ids(params), self.max_model_len)
+        if params.structured is not None:
+            seq.matcher = self._structured_matcher(params, prompt_token_ids, num_resumed_tokens)
         self.requests[request_id] = [seq]
         self.step_scheduler.add(seq)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt is empty")
+        if params.use_beam_search:
+            cfg, limit = self.config, self.max_model_len
+            max_len = min(len(prompt_token_ids) + (params.max_tokens or limit), limit)
+            validate_beam_search(params, max_len, self.allocator.num_blocks, cfg.block_size, cfg.max_num_seqs)
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, f"prompt token ids must be in [0, {self.vocab_size})"
@@ -167,6 +191,15 @@ class LLMEngine:
                 raise RequestRejected(
                     ErrorCode.INVALID_REQUEST, "min_tokens asks for tokens that allowed_token_ids only stops"
                 )
+        if params.structured is not None and params.use_beam_search:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, "beam search does not take structured outputs")
+
+    def _structured_matcher(self, params: SamplingParams, prompt: list[int], num_resumed: int) -> LLMatcher:
+        assert params.structured is not None
+        if self._grammars is None:  # a simulated engine has no tokenizer: GrammarCache rejects the request
+            tokenizer = getattr(self, "tokenizer", None)
+            self._grammars = GrammarCache(tokenizer, self.vocab_size, self.sampler.eos_token_ids)
+        return self._grammars.matcher(params.structured, prompt, num_resumed)
 
     def _sample_seed(self, params: SamplingParams, index: int) -> int | None:
         """Sample i of a seeded request draws with seed + i; an unseeded one gets a seed of its own, so that
@@ -177,6 +210,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks are back in the pool when this returns."""
+        self.beam_searches.pop(request_id, None)  # its live beams are the request's sequences
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
                 self.step_scheduler.finish(seq, "abort")
@@ -205,9 +239,45 @@ class LLMEngine:
         record_prompt_logprobs(out, logits[len(sample_rows) :])
         num_prompt_tokens = _num_prompt_tokens(out)
         self.step_scheduler.update_computed(out)
-        sampled = self._postprocess([out.seqs[i] for i in sample_rows], logits[: len(sample_rows)])
+        sampling, sample_logits = [out.seqs[i] for i in sample_rows], logits[: len(sample_rows)]
+        beam_results: list[Sequence] = []
+        if self.beam_searches:
+            sampling, sample_logits, beam_results = self._advance_beams(sampling, sample_logits)
+        sampled = self._postprocess(sampling, sample_logits) + beam_results
         self.iteration_tokens.observe(num_prompt_tokens + len(sampled))
         return sampled
+
+    def _advance_beams(
+        self, sampling: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[Sequence], torch.Tensor, list[Sequence]]:
+        """Take the beams' rows out of the step: each gives its beam's candidates, and a request whose live
+        beams all have theirs takes a beam step. Returns the other rows and the results of searches that
+        ended (beams themselves are never returned)."""
+        rows = [i for i, seq in enumerate(sampling) if seq.request_id in self.beam_searches]
+        if not rows:
+            return sampling, logits, []
+        searches = [self.beam_searches[sampling[i].request_id] for i in rows]
+        num_top = [sampling[i].params.logprobs for i in rows]
+        candidates = beam_candidates(logits[rows], [s.num_candidates for s in searches], num_top)
+        for i, search, found in zip(rows, searches, candidates):
+            search.add_candidates(sampling[i], found)
+        results: list[Sequence] = []
+        for search in dict.fromkeys(searches):
+            if not search.ready():
+                continue  # a sibling is still being recomputed after preemption
+            search.step(self.step_scheduler, self._seq_ids)
+            if search.done:
+                search.free(self.step_scheduler)
+                del self.beam_searches[search.request_id]
+                self.requests[search.request_id] = search.results(self._seq_ids, time.monotonic())
+                results += self.requests[search.request_id]
+            else:
+                self.requests[search.request_id] = list(search.live)
+        keep = sorted(set(range(len(sampling))).difference(rows))
+        return [sampling[i] for i in keep], logits[keep], results
+
+    def _stop_token_ids(self, params: SamplingParams) -> set[int]:
+        return set(params.stop_token_ids) | (set() if params.ignore_eos else self.sampler.eos_token_ids)
 
     def _postprocess(self, sampling: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
         if not sampling:
@@ -243,6 +313,8 @@ class LLMEngine:
                 seq.logprobs.append(sampled.logprobs[i] or 0.0)
                 seq.top_logprobs.append(sampled.top_logprobs[i] or {})
             reason = self._stop_reason(seq, token)
+            if seq.matcher is not None and advance(seq.matcher, token):
+                reason = "stop"  # the grammar is complete (or can go no further)
             if reason is not None:
                 self.step_scheduler.finish(seq, reason)
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from gpu_worker.beam_search import BeamSearchParams
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import EngineStats, LLMEngine
 from gpu_worker.sampling_params import SamplingParams
@@ -43,6 +44,25 @@ class RequestOutput:
     # Per prompt token (None for the first): its logprob and the top-k alternatives, when asked for.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One beam of `LLM.beam_search`: output tokens, text, cumulative logprob and length-penalized score."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    score: float
+    finish_reason: str | None
+    logprobs: list[float]
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 class LLM:
@@ -107,6 +127,22 @@ class LLM:
             raise
         self._run(len(requests), use_tqdm)
         return [self._output(*r) for r in requests]
+
+    def beam_search(
+        self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, *, use_tqdm: bool = True
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt as it is, like vLLM's LLM.beam_search: every beam, best first."""
+        outputs = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm)
+        results = []
+        for out in outputs:
+            beams = []
+            for c in out.outputs:
+                cum = c.cumulative_logprob or 0.0
+                score = cum / len(c.token_ids) ** params.length_penalty
+                logprobs = [lp[t] for t, lp in zip(c.token_ids, c.logprobs or [])]
+                beams.append(BeamSearchSequence(c.token_ids, c.text, cum, score, c.finish_reason, logprobs))
+            results.append(BeamSearchOutput(beams))
+        return results
 
     def chat(
         self,

@@ -70,7 +70,13 @@ class RequestTable:
                     self._push_event(active, plan.index, [], [], "length")
                     active.pending.discard(plan.index)
                     continue
-                self.engine.add_request(plan.engine_id, plan.prompt_token_ids, plan.params, request.priority)
+                self.engine.add_request(
+                    plan.engine_id,
+                    plan.prompt_token_ids,
+                    plan.params,
+                    request.priority,
+                    num_resumed_tokens=plan.start,
+                )
                 active.engine_ids.append(plan.engine_id)
                 self.engine_ids[plan.engine_id] = (rid, plan.index)
         except Exception as e:
@@ -100,22 +106,29 @@ class RequestTable:
             rid, fixed_index = self.engine_ids[seq.request_id]
             index = seq.index if fixed_index is None else fixed_index
             active = self.active[rid]
-            token = seq.token_ids[-1]
+            if index not in active.pending:
+                continue  # a beam search resumed after a failover: this sample was delivered before
+            # A sample sends its newest token; a beam search's outputs arrive whole when it ends.
+            count = seq.num_output_tokens if seq.params.use_beam_search else 1
+            tokens = seq.token_ids[-count:]
             logprobs = []
             if seq.params.logprobs is not None:
-                logprobs = [TokenLogprob(token_id=token, logprob=seq.logprobs[-1], top=seq.top_logprobs[-1])]
+                logprobs = [
+                    TokenLogprob(token_id=token, logprob=lp, top=top)
+                    for token, lp, top in zip(tokens, seq.logprobs[-count:], seq.top_logprobs[-count:])
+                ]
             first = active.next_position.get(index, 0) == 0
             self._push_event(
                 active,
                 index,
-                [token],
+                tokens,
                 logprobs,
                 seq.finish_reason,
                 num_cached_tokens=seq.num_cached_tokens if first else None,
                 prompt_logprobs=_prompt_logprobs(seq) if first else None,
                 timings=_timings(seq) if seq.is_finished else None,
             )
-            self.generation_tokens_total += 1
+            self.generation_tokens_total += len(tokens)
             if seq.is_finished:
                 active.pending.discard(index)
                 if not active.pending:

@@ -1,5 +1,5 @@
-"""Turning one step's logits into tokens: penalties, logit bias, allowed tokens, temperature, truncation,
-seeded sampling, logprobs."""
+"""Turning one step's logits into tokens: penalties, logit bias, allowed tokens, grammars, temperature,
+truncation, seeded sampling, logprobs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.sequence import Sequence
+from gpu_worker.structured_output import TokenBitmask, apply_grammars
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int]) -> None:
         self.eos_token_ids = eos_token_ids
         self._generators: dict[torch.device, torch.Generator] = {}  # one per device, reseeded per draw
+        self._bitmask = TokenBitmask()  # structured outputs: grown once, refilled every step
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -51,7 +53,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [num_rows, vocab_size]
-        logits = logits.float()
+        logits = raw_logits = logits.float()
         num_rows = len(seqs)
         logprobs = self._logprobs(logits, seqs)
         if any(s.params.has_penalties or s.num_output_tokens < s.params.min_tokens for s in seqs):
@@ -60,6 +62,10 @@ class Sampler:
                 self._apply_penalties(logits[i], seq)
         if any(s.params.shapes_logits for s in seqs):
             logits = _apply_bias_and_allowed(logits, seqs)
+        if any(s.matcher is not None for s in seqs):
+            if logits is raw_logits:
+                logits = logits.clone()
+            apply_grammars(self._bitmask, logits, raw_logits, [s.matcher for s in seqs])
         greedy = torch.tensor([s.params.greedy for s in seqs], dtype=torch.bool)
         token_ids = logits.argmax(dim=-1)
         random_rows = (~greedy).nonzero().flatten().tolist()

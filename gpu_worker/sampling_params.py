@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shared.protocol import StructuredSpec
@@ -64,6 +65,10 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must name at least one token")
+        if self.best_of is not None and not self.best_of >= max(self.n, 1):
+            raise ValueError(f"best_of must be at least n ({self.n}), got {self.best_of}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
         if self.temperature < _EPS:
             # Greedy: the truncation knobs mean nothing, and dropping them keeps the fast path simple.
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0

@@ -148,6 +148,8 @@ class Sequence:
         child.last_block_hash = self.last_block_hash
         child.status = self.status
         child.num_pending_forks = 0
+        # Its own grammar state: siblings diverge from the first token on.
+        child.matcher = self.matcher.deep_copy() if self.matcher is not None else None
         # Complete by now (forks are born when the prompt is computed), so shared rather than copied.
         child.prompt_logprobs = self.prompt_logprobs
         child.prompt_top_logprobs = self.prompt_top_logprobs

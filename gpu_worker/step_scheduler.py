@@ -63,6 +63,10 @@ class StepScheduler:
         # recompute what it just dropped.
         if self.num_preemptions == num_preemptions:
             self._schedule_waiting(out, budget)
+            if out.is_empty() and self.waiting and self.running:
+                # Every running sequence is a beam waiting for a sibling, and no waiting one fits: free the
+                # lowest-priority beam's blocks so that the next step admits one (the victim recomputes).
+                self._preempt(self.running[-1])
         return out
 
     def _schedule_running(self, out: StepSchedule, budget: int) -> int:
@@ -70,6 +74,9 @@ class StepScheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1  # a beam holding its candidates until its siblings have theirs
+                continue
             if not self._reserve_or_preempt(seq, num_new):
                 break  # seq itself was the lowest-priority one and is now waiting
             out.copy_pairs += self.allocator.append_slots(

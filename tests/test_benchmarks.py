@@ -189,3 +189,31 @@ def test_control_plane_smoke(tmp_path: Path) -> None:
     streams = results["streams"]
     assert streams["errors"] == streams["incomplete"] == 0  # one of two worker processes was killed
     assert streams["itl_gateway_ms"][50] > 0 and streams["itl_direct_ms"][50] > 0
+
+
+def test_beam_memory_smoke(tiny_model_path: str, tmp_path: Path) -> None:
+    import beam_memory
+
+    out, png = tmp_path / "beam.json", tmp_path / "beam.png"
+    results = beam_memory.main(
+        ["--model", tiny_model_path, "--smoke", "--json", str(out), "--plot", str(png)]
+    )  # fmt: skip
+    saved = json.loads(out.read_text())["saved_mean_by_width"]
+    assert saved == {str(w): s for w, s in results["saved_mean_by_width"].items()}
+    assert png.stat().st_size > 0
+    assert [r["width"] for r in results["runs"]] == [4, 8]
+    for run in results["runs"]:
+        assert all(s["num_distinct_blocks"] <= s["num_blocks_unshared"] for s in run["samples"])
+        assert 0 < run["saved_mean"] < 1
+
+
+def test_structured_smoke(tiny_model_path: str, tmp_path: Path) -> None:
+    import structured
+
+    out, png = tmp_path / "structured.json", tmp_path / "structured.png"
+    results = structured.main(["--model", tiny_model_path, "--smoke", "--json", str(out), "--plot", str(png)])
+    assert json.loads(out.read_text())["loss"] == results["loss"] and png.stat().st_size > 0
+    [repeat] = results["repeats"]
+    for mode in ("free", "mixed"):
+        assert repeat[mode]["steps"] >= 8 and repeat[mode]["free_half_output_tokens_per_s"] > 0
+    assert repeat["mixed"]["sampler_ms_per_step"] > 0 and results["mixed_over_free_tokens_per_s"] > 0
