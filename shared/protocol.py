@@ -76,7 +76,8 @@ class SamplingSpec(BaseModel):
     allowed_token_ids: list[int] | None = None
     # The output follows this grammar (None: free text).
     structured: StructuredSpec | None = None
-    # Beam search over best_of beams (None: n), returning the n best; scores are divided by len**length_penalty.
+    # Beam search over best_of beams (None: n), returning the n best; length_penalty divides scores by
+    # length**length_penalty.
     use_beam_search: bool = False
     best_of: int | None = None
     length_penalty: float = 1.0
