@@ -17,6 +17,14 @@ PROMPT = "Hello, my name is"
 THE, CAT, DOG = 260, 2644, 2767  # " the", " cat", " dog" in the SmolLM2 vocabulary
 
 
+# vLLM's test_guided_grammar asks for a small SQL query in GBNF.
+SQL_GRAMMAR = """
+root ::= select_statement
+select_statement ::= "SELECT " column (", " column)? " FROM " table
+column ::= "col_1" | "col_2"
+table ::= "table_1" | "table_2"
+"""
+
 cluster = cluster_fixture("tiny_model_path")
 
 
@@ -385,6 +393,13 @@ def test_beam_search_is_deterministic_and_best_of_widens_it(client: openai.OpenA
     assert len(one.choices) == 1 and one.choices[0].finish_reason in {"stop", "length"}
 
 
+def test_beams_that_do_not_fit_the_kv_pool_are_a_400(client: openai.OpenAI) -> None:
+    """16 beams of 400 tokens, unshared, need more blocks than the worker's pool of 256 holds."""
+    with pytest.raises(openai.BadRequestError) as info:
+        complete(client, prompt=PROMPT, n=16, max_tokens=400, extra_body={"use_beam_search": True})
+    assert info.value.body is not None and info.value.body.get("code") == "kv_capacity_exceeded"
+
+
 @pytest.mark.parametrize(
     "structured",
     [
@@ -393,8 +408,11 @@ def test_beam_search_is_deterministic_and_best_of_widens_it(client: openai.OpenA
         {"regex": "[a-"},
         {"grammar": "start: rule_that_does_not_exist"},
         {"choice": []},
+        {"json": 42},
+        {"regex": {"1": "Hi"}},
+        {"choice": "Hi"},
     ],
-    ids=["json_schema", "json_text", "regex", "grammar", "choice"],
+    ids=["json_schema", "json_text", "regex", "grammar", "choice", "json_type", "regex_type", "choice_type"],
 )
 def test_invalid_structured_outputs(client: openai.OpenAI, structured: dict[str, Any]) -> None:
     """vLLM's test_invalid_json_schema, test_invalid_regex and test_invalid_grammar: each a 400."""
@@ -415,6 +433,10 @@ def test_invalid_structured_outputs(client: openai.OpenAI, structured: dict[str,
             lambda t: re.fullmatch("[0-9]{2}-[a-z]{3}", t),
         ),
         ({"guided_choice": ["alpha", "beta"]}, lambda t: t in {"alpha", "beta"}),
+        (
+            {"structured_outputs": {"grammar": SQL_GRAMMAR}},
+            lambda t: re.fullmatch(r"SELECT (col_1|col_2)(, (col_1|col_2))* FROM (table_1|table_2)", t),
+        ),
     ],
 )
 def test_structured_outputs_hold_on_a_random_model(client: openai.OpenAI, extra_body, check) -> None:

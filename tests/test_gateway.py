@@ -489,7 +489,7 @@ BAD_BODIES = [
     (CHAT, {"messages": USER, "max_tokens": 10**9}, "max_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, "messages"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     (CMPL, {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
 ]
 
