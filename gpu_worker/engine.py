@@ -11,20 +11,20 @@ import torch
 from llguidance import LLMatcher
 
 import kernels
-from gpu_worker.beam_search import BeamSearch, beam_candidates, validate_beam_search
+from gpu_worker.beam_search import BeamSearch, beam_candidates
 from gpu_worker.block_allocator import BlockAllocator
 from gpu_worker.config import EngineConfig
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model_loader import load_model
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.prompt_logprobs import prompt_logit_spans, record_prompt_logprobs
+from gpu_worker.request_checks import EngineLimits, check_request
 from gpu_worker.sampler import Sampler, SamplerOutput
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.sequence import Sequence
 from gpu_worker.step_metrics import EngineStats, IterationTokens
 from gpu_worker.step_scheduler import StepSchedule, StepScheduler
 from gpu_worker.structured_output import GrammarCache, advance
-from shared.errors import ErrorCode, RequestRejected
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -158,41 +158,15 @@ class LLMEngine:
         self.step_scheduler.add(seq)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt is empty")
-        if params.use_beam_search:
-            cfg, limit = self.config, self.max_model_len
-            max_len = min(len(prompt_token_ids) + (params.max_tokens or limit), limit)
-            validate_beam_search(params, max_len, self.allocator.num_blocks, cfg.block_size, cfg.max_num_seqs)
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise RequestRejected(
-                ErrorCode.INVALID_REQUEST, f"prompt token ids must be in [0, {self.vocab_size})"
-            )
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestRejected(
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is {self.max_model_len}",
-            )
-        max_len = min(len(prompt_token_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        if -(-max_len // self.config.block_size) > self.allocator.num_blocks:
-            raise RequestRejected(
-                ErrorCode.KV_CAPACITY_EXCEEDED,
-                f"{max_len} tokens do not fit in the KV pool of {self.allocator.num_blocks} blocks",
-            )
-        named = [*params.logit_bias, *(params.allowed_token_ids or [])]
-        if named and (min(named) < 0 or max(named) >= self.vocab_size):
-            raise RequestRejected(
-                ErrorCode.INVALID_REQUEST,
-                f"logit_bias and allowed_token_ids take token ids in [0, {self.vocab_size})",
-            )
-        if params.min_tokens and params.allowed_token_ids is not None:
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.sampler.eos_token_ids)
-            if stops.issuperset(params.allowed_token_ids):
-                raise RequestRejected(
-                    ErrorCode.INVALID_REQUEST, "min_tokens asks for tokens that allowed_token_ids only stops"
-                )
-        if params.structured is not None and params.use_beam_search:
-            raise RequestRejected(ErrorCode.INVALID_REQUEST, "beam search does not take structured outputs")
+        limits = EngineLimits(
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            num_blocks=self.allocator.num_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+            eos_token_ids=frozenset(self.sampler.eos_token_ids),
+        )
+        check_request(prompt_token_ids, params, limits)
 
     def _structured_matcher(self, params: SamplingParams, prompt: list[int], num_resumed: int) -> LLMatcher:
         assert params.structured is not None

@@ -40,15 +40,15 @@ PEOPLE = [
     "a painter from Lima",
     "a student in Paris who loves chess",
 ]
-# Long enough to kill its worker halfway: forty numbers.
+# Long enough to kill its worker halfway: twenty-four numbers.
 NUMBERS = {
     "type": "object",
     "properties": {
         "numbers": {
             "type": "array",
             "items": {"type": "integer", "minimum": 0, "maximum": 99},
-            "minItems": 40,
-            "maxItems": 40,
+            "minItems": 24,
+            "maxItems": 24,
         }
     },
     "required": ["numbers"],
@@ -180,8 +180,8 @@ def restart(cluster: Cluster, killed: str) -> None:
 def test_a_constrained_request_resumed_after_kill_9_still_validates(cluster: Cluster) -> None:
     body = {
         "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": "List forty small numbers as JSON."}],
-        "max_completion_tokens": 200,
+        "messages": [{"role": "user", "content": "List twenty-four small numbers as JSON."}],
+        "max_completion_tokens": 120,
         "temperature": 0.0,
         "response_format": {"type": "json_schema", "json_schema": {"name": "numbers", "schema": NUMBERS}},
     }
