@@ -79,25 +79,20 @@ def offline(smollm2_path: str) -> LLM:
 def person_request(client: openai.OpenAI, i: int) -> str:
     who = PEOPLE[i % len(PEOPLE)]
     messages = [{"role": "user", "content": f"Describe {who} as JSON with a name, an age and a city."}]
-    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    if i % 2:  # vLLM's own field, half of the time
-        out = client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=messages,  # type: ignore[arg-type]
-            max_completion_tokens=80,
-            temperature=0.0 if i < 10 else 0.7,
-            seed=i,
-            extra_body={"structured_outputs": {"json": PERSON}},
-        )
+    # vLLM's own field half of the time, OpenAI's response_format the other half.
+    if i % 2:
+        asked: dict[str, Any] = {"extra_body": {"structured_outputs": {"json": PERSON}}}
     else:
-        out = client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=messages,  # type: ignore[arg-type]
-            max_completion_tokens=80,
-            temperature=0.0 if i < 10 else 0.7,
-            seed=i,
-            response_format=schema_format,  # type: ignore[arg-type]
-        )
+        schema = {"name": "person", "schema": PERSON}
+        asked = {"response_format": {"type": "json_schema", "json_schema": schema}}
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,  # type: ignore[arg-type]
+        max_completion_tokens=80,
+        temperature=0.0 if i < 10 else 0.7,
+        seed=i,
+        **asked,
+    )
     assert out.choices[0].finish_reason == "stop", out
     return out.choices[0].message.content or ""
 
