@@ -215,11 +215,14 @@ class LLMEngine:
         self.step_scheduler.update_computed(out)
         sampling, sample_logits = [out.seqs[i] for i in sample_rows], logits[: len(sample_rows)]
         beam_results: list[Sequence] = []
+        num_beam_rows = 0
         if self.beam_searches:
             sampling, sample_logits, beam_results = self._advance_beams(sampling, sample_logits)
-        sampled = self._postprocess(sampling, sample_logits) + beam_results
-        self.iteration_tokens.observe(num_prompt_tokens + len(sampled))
-        return sampled
+            num_beam_rows = len(sample_rows) - len(sampling)
+        sampled = self._postprocess(sampling, sample_logits)
+        # A live beam's row is a token computed this step, though beams return nothing until the search ends.
+        self.iteration_tokens.observe(num_prompt_tokens + len(sampled) + num_beam_rows)
+        return sampled + beam_results
 
     def _advance_beams(
         self, sampling: list[Sequence], logits: torch.Tensor

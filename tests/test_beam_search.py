@@ -131,6 +131,16 @@ def test_preemption_keeps_beams(tiny_model_path: str) -> None:
     assert_pool_drained(llm)
 
 
+def test_iteration_tokens_count_every_live_beam_row(tiny_model_path: str) -> None:
+    """vllm:iteration_tokens_total: the prompt, then one token per live beam and step (2 beams, 5 tokens)."""
+    engine = LLM(tiny_model_path, num_kv_blocks=256, block_size=16).engine
+    engine.add_request("r", tiny_prompts(1, 20)[0], beam(2, max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.iteration_tokens.total == 20 + 1 + 2 * 4  # the root's first token, then 2 rows x 4 steps
+    assert engine.iteration_tokens.cumulative()[-1] == 5  # one observation per step
+
+
 def test_abort_frees_every_beam(tiny_model_path: str) -> None:
     llm = LLM(tiny_model_path, num_kv_blocks=256, block_size=16)
     engine = llm.engine
