@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/structured.py                # SmolLM2, 32 requests, half with a grammar
     .venv/bin/python benchmarks/structured.py --threads 1    # on a machine whose other core is busy
-    .venv/bin/python benchmarks/structured.py --smoke        # a tiny random model, in a few seconds
+    .venv/bin/python benchmarks/structured.py --smoke --model <folder>   # a few seconds on a small model
 
 Every request has a random-token prompt of the same length and exactly --output-len output tokens
 (min_tokens = max_tokens, greedy), so every run has the same steps and batches. Paired runs on one engine:
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -71,24 +70,6 @@ class TimedRunner:
         logits = self.inner.run(out, sample_rows)
         self.seconds += time.perf_counter() - start
         return logits
-
-
-def tiny_model(folder: Path) -> str:
-    """A 4-layer random Llama with the default model's tokenizer (what the tests call tiny_model_path)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from gpu_worker.model_loader import resolve_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(None))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -170,18 +151,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--regex", default=OPEN_REGEX, help="the grammar; it must never complete")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument(
-        "--smoke", action="store_true", help="8 short requests, 1 repeat (a tiny random model unless --model)"
+        "--smoke", action="store_true", help="8 short requests, 1 repeat (for tests, with a tiny --model)"
     )
     args = parser.parse_args(argv)
     if args.smoke:
         args.requests, args.prompt_len, args.output_len, args.repeats = 8, 8, 8, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as scratch:
-        model = args.model or (tiny_model(Path(scratch)) if args.smoke else None)
-        # No prefix caching: the paired runs share their prompts.
-        engine = LLMEngine(model, EngineConfig(enable_prefix_caching=False), device="cpu")
-        return measure(engine, args)
+    # No prefix caching: the paired runs share their prompts.
+    engine = LLMEngine(args.model, EngineConfig(enable_prefix_caching=False), device="cpu")
+    return measure(engine, args)
 
 
 def measure(engine: LLMEngine, args: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBo
 from gateway.structured_params import MAX_BEAM_WIDTH, StructuredError
 from gateway.tokenization import Tokenizer
 from shared.errors import ErrorCode
-from shared.protocol import GenerateRequest, RequestMeta, SamplingSpec, StructuredSpec
+from shared.protocol import GenerateRequest, RequestMeta, SamplingSpec, StructuredSpec, beam_search_refusals
 
 
 @dataclass(slots=True)
@@ -165,13 +165,11 @@ def _sampling(
         )
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) is more than {param} ({max_tokens})", "min_tokens")
-    structured = _structured(body)
-    _check_beam_search(body, structured is not None)
     tokenizer.check_ids(body.stop_token_ids, "stop_token_ids")
     tokenizer.check_ids(list(body.logit_bias), "logit_bias")
     if body.allowed_token_ids is not None:
         tokenizer.check_ids(body.allowed_token_ids, "allowed_token_ids")
-    return SamplingSpec(
+    spec = SamplingSpec(
         n=body.n,
         temperature=body.temperature,
         top_p=body.top_p,
@@ -188,46 +186,37 @@ def _sampling(
         logprobs=logprobs,
         logit_bias=dict(body.logit_bias),
         allowed_token_ids=None if body.allowed_token_ids is None else list(body.allowed_token_ids),
-        structured=structured,
+        structured=_structured(body),
         use_beam_search=body.use_beam_search,
         best_of=body.best_of,
         length_penalty=body.length_penalty,
     )
+    _check_beam_search(spec)
+    return spec
 
 
 def _structured(body: SamplingBody) -> StructuredSpec | None:
     try:
-        asked = body.structured()
+        return body.structured()
     except StructuredError as e:
         raise bad_request(str(e), param=e.param) from e
-    return None if asked is None else asked[0]
 
 
-def _check_beam_search(body: SamplingBody, structured: bool) -> None:
-    """Beam search is deterministic and takes the model's logprobs as they are: what reshapes them is refused
-    (temperature and the truncation knobs are ignored, as by transformers' beam search without sampling)."""
-    if not body.use_beam_search:
-        if body.best_of is not None and body.best_of != body.n:
+def _check_beam_search(spec: SamplingSpec) -> None:
+    """best_of only with use_beam_search (unless it is n), a beam width within bounds, and nothing that beam
+    search refuses (shared.protocol.beam_search_refusals: the rule the engine checks too)."""
+    if not spec.use_beam_search:
+        if spec.best_of is not None and spec.best_of != spec.n:
             raise bad_request("best_of other than n is only served with use_beam_search", param="best_of")
         return
-    width = body.best_of if body.best_of is not None else body.n
-    if body.n > width:
-        raise bad_request(f"n ({body.n}) must be at most best_of ({width}), the beam width", param="n")
+    width = spec.best_of if spec.best_of is not None else spec.n
+    if spec.n > width:
+        raise bad_request(f"n ({spec.n}) must be at most best_of ({width}), the beam width", param="n")
     if width > MAX_BEAM_WIDTH:
         raise bad_request(f"the beam width (n or best_of) must be at most {MAX_BEAM_WIDTH}", param="n")
-    refused = {
-        "response_format": structured,
-        "logit_bias": bool(body.logit_bias),
-        "allowed_token_ids": body.allowed_token_ids is not None,
-        "presence_penalty": body.presence_penalty != 0.0,
-        "frequency_penalty": body.frequency_penalty != 0.0,
-        "repetition_penalty": body.repetition_penalty != 1.0,
-        "min_tokens": body.min_tokens > 0,
-    }
-    for param, given in refused.items():
-        if given:
-            what = "structured outputs" if param == "response_format" else param
-            raise bad_request(f"use_beam_search does not take {what}", param="use_beam_search")
+    refused = beam_search_refusals(spec)
+    if refused:
+        raise bad_request(f"use_beam_search does not take {refused[0]}", param="use_beam_search")
 
 
 def _request(kind: str, prompt_ids: list[int], sampling: SamplingSpec, priority: int) -> GenerateRequest:

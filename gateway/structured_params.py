@@ -76,8 +76,8 @@ class OutputControlBody(Body):
             raise ValueError("length_penalty must be a finite number")
         return value
 
-    def structured(self) -> tuple[StructuredSpec, str] | None:
-        """The structured output asked for and the parameter that asked (None: free text).
+    def structured(self) -> StructuredSpec | None:
+        """The structured output asked for (None: free text).
 
         Raises ValueError (naming the parameter) for two of them at once, one that is not served, or a
         grammar that is not valid.
@@ -92,7 +92,7 @@ class OutputControlBody(Body):
         error = grammar_error(spec)
         if error is not None:
             raise StructuredError(f"{param}: {error}", param)
-        return spec, param
+        return spec
 
     def _asked(self) -> list[tuple[StructuredSpec, str]]:
         asked: list[tuple[StructuredSpec, str]] = []

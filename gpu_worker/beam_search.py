@@ -29,6 +29,7 @@ from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.sequence import Sequence, SequenceStatus
 from gpu_worker.step_scheduler import StepScheduler
 from shared.errors import ErrorCode, RequestRejected
+from shared.protocol import beam_search_refusals
 
 _FLOAT32 = struct.Struct("f")
 
@@ -86,14 +87,7 @@ def validate_beam_search(
     params: SamplingParams, max_len: int, num_blocks: int, block_size: int, max_num_seqs: int
 ) -> None:
     """Refuse (RequestRejected) what beam search does not combine with, and a width the engine cannot hold."""
-    refused = [
-        ("structured outputs", params.structured is not None),
-        ("logit_bias", bool(params.logit_bias)),
-        ("allowed_token_ids", params.allowed_token_ids is not None),
-        ("presence, frequency or repetition penalties", params.has_penalties),
-        ("min_tokens", params.min_tokens > 0),
-    ]
-    names = [name for name, used in refused if used]
+    names = beam_search_refusals(params)
     if names:
         raise RequestRejected(ErrorCode.INVALID_REQUEST, f"beam search does not support {', '.join(names)}")
     width = params.best_of or params.n

@@ -151,7 +151,8 @@ class LLMEngine:
         seq.seed = self._sample_seed(params, 0)
         if params.use_beam_search:
             seq.num_pending_forks = 0  # beams fork as the search goes
-            self.beam_searches[request_id] = BeamSearch(seq, self._stop_token_ids(params), self.max_model_len)
+            stops = params.stop_ids(self.sampler.eos_token_ids)
+            self.beam_searches[request_id] = BeamSearch(seq, stops, self.max_model_len)
         if params.structured is not None:
             seq.matcher = self._structured_matcher(params, prompt_token_ids, num_resumed_tokens)
         self.requests[request_id] = [seq]
@@ -252,9 +253,6 @@ class LLMEngine:
                 self.requests[search.request_id] = list(search.live)
         keep = sorted(set(range(len(sampling))).difference(rows))
         return [sampling[i] for i in keep], logits[keep], results
-
-    def _stop_token_ids(self, params: SamplingParams) -> set[int]:
-        return set(params.stop_token_ids) | (set() if params.ignore_eos else self.sampler.eos_token_ids)
 
     def _postprocess(self, sampling: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
         if not sampling:

@@ -47,9 +47,8 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: E
         raise RequestRejected(
             ErrorCode.INVALID_REQUEST, f"logit_bias and allowed_token_ids take token ids in [0, {vocab_size})"
         )
-    if params.min_tokens and params.allowed_token_ids is not None:
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else limits.eos_token_ids)
-        if stops.issuperset(params.allowed_token_ids):
-            raise RequestRejected(
-                ErrorCode.INVALID_REQUEST, "min_tokens asks for tokens that allowed_token_ids only stops"
-            )
+    allowed, stops = params.allowed_token_ids, params.stop_ids(limits.eos_token_ids)
+    if params.min_tokens and allowed is not None and stops.issuperset(allowed):
+        raise RequestRejected(
+            ErrorCode.INVALID_REQUEST, "min_tokens asks for tokens that allowed_token_ids only stops"
+        )

@@ -97,7 +97,7 @@ class Sampler:
     def _apply_penalties(self, row: torch.Tensor, seq: Sequence) -> None:
         params = seq.params
         if seq.num_output_tokens < params.min_tokens:
-            stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+            stops = list(params.stop_ids(self.eos_token_ids))
             row[stops] = float("-inf")
         if not params.has_penalties:
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shared.protocol import StructuredSpec
@@ -74,6 +75,10 @@ class SamplingParams:
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
         if self.top_k == -1:
             self.top_k = 0
+
+    def stop_ids(self, eos_token_ids: Iterable[int]) -> set[int]:
+        """The tokens that end a sample: its stop_token_ids, and the model's EOS unless ignore_eos."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
 
     @property
     def greedy(self) -> bool:

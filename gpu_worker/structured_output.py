@@ -49,8 +49,8 @@ class GrammarCache:
         )
         self.vocab_size = vocab_size
         self.max_grammars = max_grammars
-        # Grammar text -> a matcher that has consumed nothing; only ever copied, never advanced.
-        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        # (kind, value) of a spec -> a matcher that has consumed nothing; only ever copied, never advanced.
+        self._compiled: OrderedDict[tuple[str, str], LLMatcher] = OrderedDict()
         self.num_compiles = 0
 
     def __len__(self) -> int:
@@ -69,18 +69,15 @@ class GrammarCache:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, "num_resumed_tokens must be below the prompt's length"
             )
-        try:
-            grammar = grammar_of(spec)
-        except GrammarError as e:
-            raise RequestRejected(ErrorCode.INVALID_REQUEST, str(e)) from e
-        compiled = self._compiled.get(grammar)
+        key = (spec.kind, spec.value)
+        compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compile(spec, grammar)
-            self._compiled[grammar] = compiled
+            compiled = self._compile(spec)
+            self._compiled[key] = compiled
             if len(self._compiled) > self.max_grammars:
                 self._compiled.popitem(last=False)
         else:
-            self._compiled.move_to_end(grammar)
+            self._compiled.move_to_end(key)
         matcher = compiled.deep_copy()
         resumed = (
             list(prompt_token_ids[len(prompt_token_ids) - num_resumed_tokens :]) if num_resumed_tokens else []
@@ -92,7 +89,11 @@ class GrammarCache:
             )
         return matcher
 
-    def _compile(self, spec: StructuredSpec, grammar: str) -> LLMatcher:
+    def _compile(self, spec: StructuredSpec) -> LLMatcher:
+        try:
+            grammar = grammar_of(spec)
+        except GrammarError as e:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, str(e)) from e
         self.num_compiles += 1
         try:
             matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)

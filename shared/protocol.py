@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -81,6 +81,34 @@ class SamplingSpec(BaseModel):
     use_beam_search: bool = False
     best_of: int | None = None
     length_penalty: float = 1.0
+
+
+class BeamSearchOptions(Protocol):
+    """What beam search looks at in a SamplingSpec (the gateway's) or a SamplingParams (the engine's)."""
+
+    structured: StructuredSpec | None
+    logit_bias: dict[int, float]
+    allowed_token_ids: list[int] | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_tokens: int
+
+
+def beam_search_refusals(options: BeamSearchOptions) -> list[str]:
+    """What beam search refuses among what options ask for: it scores the model's own logprobs, so whatever
+    reshapes them is refused (temperature and the truncation knobs are ignored, as by transformers' beam
+    search without sampling). One rule for the gateway's 400 and the engine's own check."""
+    asked = {
+        "structured outputs": options.structured is not None,
+        "logit_bias": bool(options.logit_bias),
+        "allowed_token_ids": options.allowed_token_ids is not None,
+        "presence_penalty": options.presence_penalty != 0.0,
+        "frequency_penalty": options.frequency_penalty != 0.0,
+        "repetition_penalty": options.repetition_penalty != 1.0,
+        "min_tokens": options.min_tokens > 0,
+    }
+    return [name for name, given in asked.items() if given]
 
 
 class GenerateRequest(WireModel):

@@ -22,19 +22,24 @@ NUM_KV_BLOCKS = 256
 
 @contextlib.contextmanager
 def api_cluster(
-    model: str, redis_url: str, logs: Path, without_engine: dict[str, str], **overrides: str
+    model: str,
+    redis_url: str,
+    logs: Path,
+    without_engine: dict[str, str],
+    workers: tuple[str, ...] = ("w1",),
+    **overrides: str,
 ) -> Iterator[Cluster]:
-    """Scheduler, one CPU worker and the gateway serving model, under a key prefix of their own."""
+    """Scheduler, CPU workers (one by default) and the gateway serving model, under a prefix of their own."""
     prefix = f"pagedserve-api-{uuid.uuid4().hex[:10]}"
     # One gateway process starts faster on two cores; a file that needs two (metrics summed over processes)
     # asks for them.
-    overrides = {"GATEWAY_WORKERS": "1", **overrides}
-    env = service_env(redis_url, prefix, model, free_port(), NUM_KV_BLOCKS=str(NUM_KV_BLOCKS), **overrides)
-    with running_cluster(env, logs, ("w1",), without_engine) as c:
+    overrides = {"GATEWAY_WORKERS": "1", "NUM_KV_BLOCKS": str(NUM_KV_BLOCKS), **overrides}
+    env = service_env(redis_url, prefix, model, free_port(), **overrides)
+    with running_cluster(env, logs, workers, without_engine) as c:
         yield c
 
 
-def cluster_fixture(model_fixture: str, **overrides: str) -> Any:
+def cluster_fixture(model_fixture: str, workers: tuple[str, ...] = ("w1",), **overrides: str) -> Any:
     """A module-scoped `cluster` fixture: api_cluster serving the model that fixture names, with overrides."""
 
     @pytest.fixture(scope="module")
@@ -46,7 +51,7 @@ def cluster_fixture(model_fixture: str, **overrides: str) -> Any:
     ) -> Iterator[Cluster]:
         model = request.getfixturevalue(model_fixture)
         logs = tmp_path_factory.mktemp("logs")
-        with api_cluster(model, redis_url, logs, without_engine, **overrides) as c:
+        with api_cluster(model, redis_url, logs, without_engine, workers, **overrides) as c:
             yield c
 
     return cluster

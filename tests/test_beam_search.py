@@ -175,8 +175,8 @@ def test_offline_beam_search_api(tiny_model_path: str) -> None:
     [
         ({"logit_bias": {5: 1.0}}, "logit_bias"),
         ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
-        ({"repetition_penalty": 1.2}, "penalties"),
-        ({"presence_penalty": 0.5}, "penalties"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"min_tokens": 2}, "min_tokens"),
         ({"structured": StructuredSpec(kind="json_object")}, "structured"),
         ({"n": 5, "best_of": 5}, "max_num_seqs"),
