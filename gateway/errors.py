@@ -44,6 +44,7 @@ HTTP_ERRORS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.QUEUE_UNAVAILABLE: (503, "server_error"),
     ErrorCode.ABORTED: (503, "server_error"),
     ErrorCode.TIMEOUT: (504, "server_error"),
+    ErrorCode.BATCH_EXPIRED: (504, "server_error"),
 }
 
 # The errors werkzeug raises itself (routing, body size and type), by status.

@@ -33,6 +33,7 @@ class ErrorCode(StrEnum):
     QUEUE_UNAVAILABLE = "queue_unavailable"  # Redis cannot be reached
     ABORTED = "aborted"  # the request was stopped by the service, not by its client
     TIMEOUT = "timeout"
+    BATCH_EXPIRED = "batch_expired"  # a batch's line did not run within the batch's completion window
     # The service failed.
     ENGINE_ERROR = "engine_error"  # the engine raised while running the request
     PROTOCOL_ERROR = "protocol_error"  # a service received a message it cannot read

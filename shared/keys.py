@@ -20,9 +20,21 @@ test runs can share one Redis. `rid` is a request id, `wid` a worker id, `i` a s
 | {p}:request:{rid}:finished   | hash i→SampleEnd    | worker, scheduler     | scheduler, gateway   | REQUEST_TTL   |
 | {p}:scheduler:stats          | hash                | scheduler             | gateway              | HEARTBEAT_TTL |
 | {p}:scheduler:lock           | string              | scheduler             | scheduler            | seconds       |
+| {p}:files                    | zset fid→created    | gateway, batch        | gateway              | until deleted |
+| {p}:file:{fid}               | string (json)       | gateway, batch        | gateway, batch       | until deleted |
+| {p}:batches                  | zset bid→created    | gateway               | gateway              | pruned        |
+| {p}:batch:{bid}              | hash                | gateway, batch        | gateway, batch       | BATCH_TTL     |
+| {p}:batch:{bid}:claims       | hash custom_id→rids | batch                 | batch                | gone at end   |
+| {p}:batch:{bid}:done         | hash custom_id→line | batch                 | batch                | gone at end   |
+| {p}:batch:{bid}:lease        | string (runner)     | batch                 | batch                | seconds       |
+| {p}:celery:*                 | Celery's own keys   | gateway, batch        | batch (Celery)       | Celery's      |
 
 HEARTBEAT_TTL is HEARTBEAT_TTL_S and REQUEST_TTL is REQUEST_TTL_S (shared.settings). The scheduler writes a
 request's events and finished record only to refuse it (shared.records).
+
+`fid` is a file id, `bid` a batch id. Files are kept until deleted (DELETE /v1/files/{id}). BATCH_TTL is
+BATCH_RETENTION_S, set when a batch ends (the listing drops a batch whose record has gone); a batch's per-line
+progress is deleted once its result files are written.
 """
 
 from __future__ import annotations
@@ -90,6 +102,34 @@ class Keys:
     @property
     def scheduler_lock(self) -> str:
         return f"{self.prefix}:scheduler:lock"
+
+    @property
+    def files(self) -> str:
+        return f"{self.prefix}:files"
+
+    def file(self, fid: str) -> str:
+        return f"{self.prefix}:file:{fid}"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}:batches"
+
+    def batch(self, bid: str) -> str:
+        return f"{self.prefix}:batch:{bid}"
+
+    def batch_claims(self, bid: str) -> str:
+        return f"{self.prefix}:batch:{bid}:claims"
+
+    def batch_done(self, bid: str) -> str:
+        return f"{self.prefix}:batch:{bid}:done"
+
+    def batch_lease(self, bid: str) -> str:
+        return f"{self.prefix}:batch:{bid}:lease"
+
+    @property
+    def celery_prefix(self) -> str:
+        """Celery's broker and result keys start with this (its transports' global_keyprefix)."""
+        return f"{self.prefix}:celery:"
 
     def all_patterns(self) -> list[str]:
         """Glob patterns matching every key under this prefix (tests clean up with these)."""

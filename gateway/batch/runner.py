@@ -1,0 +1,229 @@
+"""Running a batch, one slice at a time: read its file, run its lines with a bound on those in flight, and end
+it (completed, cancelled or expired) with its output and error files.
+
+A Celery task runs one slice: at most BATCH_SLICE_S of feeding lines, then up as long again for the lines in
+flight to finish, so a task always ends well within the broker's visibility timeout (a task still running
+then would be delivered twice). The task then queues the next slice (gateway.batch.worker), which attaches to
+any line still in flight. One slice runs a batch at a time: it holds the batch's lease, renewed every second;
+a task that finds the lease held by another waits its turn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Literal
+
+import redis
+
+from gateway.batch.files import FileStore, custom_id_of, read_lines
+from gateway.batch.lines import Line, LineContext, LineRun, is_success
+from gateway.batch.records import BatchRecord
+from shared.errors import ErrorCode
+from shared.keys import Keys
+
+logger = logging.getLogger(__name__)
+
+Outcome = Literal["ended", "handover", "busy", "gone"]
+LEASE_S = 10.0
+# How often the run looks at the batch's record (cancel) and renews its lease.
+POLL_S = 0.5
+
+# KEYS[1] the lease; ARGV[1] the holder's token, ARGV[2] the lease in ms. Extends the lease if the token
+# still holds it (renew, ARGV[2] > 0) or lets it go (release, ARGV[2] = 0): 1 when the token held it.
+_LEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if tonumber(ARGV[2]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) else redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
+class Lease:
+    """Who runs a batch now: a key with a TTL, held while it is renewed."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, batch_id: str) -> None:
+        self._client = client
+        self._key = keys.batch_lease(batch_id)
+        self._token = uuid.uuid4().hex
+        self._script = client.register_script(_LEASE)
+        self._renewed_at = 0.0
+
+    def acquire(self) -> bool:
+        self._renewed_at = time.monotonic()
+        return bool(self._client.set(self._key, self._token, nx=True, px=int(LEASE_S * 1000)))
+
+    def renew(self) -> bool:
+        """Extend the lease (at most once a second); whether it is still this run's."""
+        now = time.monotonic()
+        if now - self._renewed_at < 1.0:
+            return True
+        self._renewed_at = now
+        return bool(self._script(keys=[self._key], args=[self._token, int(LEASE_S * 1000)]))
+
+    def release(self) -> None:
+        self._script(keys=[self._key], args=[self._token, 0])
+
+
+def read_batch_lines(files: FileStore, file_id: str) -> list[Line]:
+    return [Line(n, raw, custom_id_of(raw)) for n, raw in enumerate(read_lines(files.open(file_id)), 1)]
+
+
+class BatchRunner:
+    """Runs slices of batches in one batch worker process."""
+
+    def __init__(self, ctx: LineContext, files: FileStore, *, lines_in_flight: int, slice_s: float) -> None:
+        self._ctx = ctx
+        self._store = ctx.store
+        self._files = files
+        self._lines_in_flight = lines_in_flight
+        self._slice_s = slice_s
+
+    def run(self, batch_id: str) -> Outcome:
+        """One slice of the batch: "ended" when it has ended (or had), "handover" when a next slice must go
+        on, "busy" when another run holds the batch, "gone" when there is no such batch."""
+        record = self._store.get(batch_id)
+        if record is None:
+            return "gone"
+        if record.ended:
+            return "ended"
+        lease = Lease(self._ctx.client, self._store.keys, batch_id)
+        if not lease.acquire():
+            return "busy"
+        try:
+            return self._run(record, lease)
+        finally:
+            lease.release()
+
+    def _run(self, record: BatchRecord, lease: Lease) -> Outcome:
+        bid = record.id
+        try:
+            lines = read_batch_lines(self._files, record.spec.input_file_id)
+        except FileNotFoundError:
+            self._fail(bid, f"the input file {record.spec.input_file_id} has been deleted")
+            return "ended"
+        if record.status == "validating":
+            self._store.set_total(bid, len(lines))
+            self._store.move(bid, {"validating"}, "in_progress")
+        reason = self._run_lines(record, lines, lease)
+        if reason in ("handover", "lost"):
+            return "handover" if reason == "handover" else "busy"
+        self._finish(bid, lines, expired=reason == "expire")
+        return "ended"
+
+    def _run_lines(self, record: BatchRecord, lines: list[Line], lease: Lease) -> str:
+        """Feed the lines not done yet, a bounded number at a time, until all are done or the run must stop:
+        why it stopped: "done", "cancel", "expire", "handover" or "lost" (the lease went to another run)."""
+        bid, endpoint = record.id, record.spec.endpoint
+        done = self._store.done_ids(bid)
+        todo = deque(line for line in lines if line.key not in done)
+        stopping: list[str] = []  # what the lines in flight are told (stop() reads it from their threads)
+        in_flight: dict[Future[str], Line] = {}
+        started = time.monotonic()
+        reason = "done"
+        with ThreadPoolExecutor(self._lines_in_flight, thread_name_prefix=f"batch-{bid[-8:]}") as pool:
+            while todo or in_flight:
+                reason = self._stop_reason(record, lease, started)
+                if reason in ("cancel", "expire", "lost") or (
+                    reason == "handover" and self._drained(started)
+                ):
+                    stopping.append(reason)  # every line in flight leaves at its next tick
+                    break
+                while (
+                    reason == "done" and todo and len(in_flight) < self._lines_in_flight and self._worker_up()
+                ):
+                    line = todo.popleft()
+                    run = LineRun(self._ctx, bid, endpoint, line)
+                    in_flight[pool.submit(run.run, lambda: stopping[0] if stopping else None)] = line
+                finished, _ = wait(in_flight, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    line = in_flight.pop(future)
+                    if _outcome(future, line) == "retry":
+                        todo.append(line)
+                if reason == "handover" and not in_flight:
+                    break
+            else:
+                reason = "done"
+        return reason
+
+    def _stop_reason(self, record: BatchRecord, lease: Lease, started: float) -> str:
+        if not lease.renew():
+            return "lost"
+        now = time.time()
+        latest = self._store.get(record.id)
+        if latest is None or latest.status == "cancelling":
+            return "cancel"
+        if now >= record.spec.expires_at:
+            return "expire"
+        return "handover" if time.monotonic() - started >= self._slice_s else "done"
+
+    def _drained(self, started: float) -> bool:
+        """Past the slice and its time to let lines in flight finish."""
+        return time.monotonic() - started >= 2 * self._slice_s
+
+    def _worker_up(self) -> bool:
+        return self._ctx.watch.seconds_without_worker() == 0.0
+
+    def _finish(self, bid: str, lines: list[Line], *, expired: bool) -> None:
+        """Write the output and error files and end the batch: cancelled when it was being cancelled, expired
+        when its window passed, else completed."""
+        record = self._store.get(bid)
+        cancelling = record is None or record.status == "cancelling"
+        if not cancelling and not expired and not self._store.move(bid, {"in_progress"}, "finalizing"):
+            cancelling = True  # cancelled meanwhile
+        outputs = self._store.done_lines(bid)
+        output_id = self._write(bid, "output", (outputs[x.key] for x in lines if _ok(outputs.get(x.key))))
+        errors = [outputs[line.key] for line in lines if line.key in outputs and not _ok(outputs[line.key])]
+        if expired and not cancelling:
+            errors += [_expired(bid, line) for line in lines if line.key not in outputs]
+        error_id = self._write(bid, "error", iter(errors))
+        files = {"output_file_id": output_id, "error_file_id": error_id}
+        files = {k: v for k, v in files.items() if v is not None}
+        if cancelling:
+            self._store.move(bid, {"cancelling"}, "cancelled", **files)
+        else:
+            self._store.move(
+                bid, {"in_progress", "finalizing"}, "expired" if expired else "completed", **files
+            )
+        self._store.drop_progress(bid)
+
+    def _write(self, bid: str, kind: str, lines: Iterator[str]) -> str | None:
+        """A result file of the batch (None when it would be empty)."""
+        first = next(lines, None)
+        if first is None:
+            return None
+        chunks = (f"{line}\n".encode() for line in _chain(first, lines))
+        return self._files.create(f"{bid}_{kind}.jsonl", "batch_output", chunks).id
+
+    def _fail(self, bid: str, message: str) -> None:
+        errors = {"object": "list", "data": [{"code": str(ErrorCode.INVALID_REQUEST), "message": message}]}
+        self._store.move(bid, {"validating", "in_progress", "cancelling"}, "failed", errors=errors)
+        self._store.drop_progress(bid)
+
+
+def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
+    yield first
+    yield from rest
+
+
+def _ok(output: str | None) -> bool:
+    return output is not None and is_success(json.loads(output))
+
+
+def _expired(bid: str, line: Line) -> str:
+    message = "the request did not run within the batch's completion window"
+    return json.dumps(line.refusal(bid, ErrorCode.BATCH_EXPIRED, message), ensure_ascii=False)
+
+
+def _outcome(future: Future[str], line: Line) -> str:
+    try:
+        return future.result()
+    except redis.RedisError as e:
+        logger.warning("line %d: Redis failed (%s); it runs again", line.number, e)
+    except Exception:
+        logger.exception("line %d failed; it runs again", line.number)
+    return "retry"
