@@ -1,4 +1,5 @@
-"""The Flask application: OpenAI's completions and chat completions, tokenization, health and metrics."""
+"""The Flask application: OpenAI's completions and chat completions, tokenization, health and metrics (and
+the Batch API's routes, from gateway.batch.api)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from flask import Flask, Response, jsonify, request
 from gateway import metrics, openapi
 from gateway.attachments import Attachments
 from gateway.backpressure import check_backpressure
+from gateway.batch.api import BatchAPI
 from gateway.cors import Cors
 from gateway.errors import APIError, bad_request, install_error_handlers
 from gateway.event_hub import EventHub
@@ -353,6 +355,7 @@ def create_app(settings: GatewaySettings | None = None) -> Flask:
         ("/metrics", gateway.metrics, ["GET"]),
         ("/openapi.json", gateway.openapi, ["GET"]),
         ("/version", gateway.version, ["GET"]),
+        *BatchAPI(settings, gateway.redis).routes(),
     ]
     for rule, view, methods in routes:
         app.add_url_rule(rule, view.__name__, view, methods=methods)

@@ -29,6 +29,8 @@ HTTP_ERRORS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.INVALID_API_KEY: (401, "authentication_error"),
     ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),
     ErrorCode.REQUEST_NOT_FOUND: (404, "invalid_request_error"),
+    ErrorCode.FILE_NOT_FOUND: (404, "invalid_request_error"),
+    ErrorCode.BATCH_NOT_FOUND: (404, "invalid_request_error"),
     ErrorCode.NOT_FOUND: (404, "not_found_error"),
     ErrorCode.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
     ErrorCode.BODY_TOO_LARGE: (413, "invalid_request_error"),

@@ -19,6 +19,8 @@ class ErrorCode(StrEnum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt (+ max_tokens) past the model's context
     KV_CAPACITY_EXCEEDED = "kv_capacity_exceeded"  # the prompt fits the context but no worker's KV pool
     MODEL_NOT_FOUND = "model_not_found"
+    FILE_NOT_FOUND = "file_not_found"  # the Batch API's: no such file (or it was deleted)
+    BATCH_NOT_FOUND = "batch_not_found"
     REQUEST_NOT_FOUND = "request_not_found"  # a stream to resume that does not exist (or is another key's)
     INVALID_API_KEY = "invalid_api_key"
     NOT_FOUND = "not_found"  # no such endpoint

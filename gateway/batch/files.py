@@ -45,7 +45,7 @@ class FileStore:
         except pydantic.ValidationError:
             return None
 
-    def list(
+    def page(
         self, *, after: str | None, limit: int, purpose: str | None = None
     ) -> tuple[list[FileRecord], bool]:
         """Newest first, from just past `after`: up to limit records, and whether more follow."""

@@ -104,7 +104,9 @@ class BatchRunner:
         try:
             lines = read_batch_lines(self._files, record.spec.input_file_id)
         except FileNotFoundError:
-            self._fail(bid, f"the input file {record.spec.input_file_id} has been deleted")
+            self.fail(
+                bid, ErrorCode.INVALID_REQUEST, f"the input file {record.spec.input_file_id} was deleted"
+            )
             return "ended"
         if record.status == "validating":
             self._store.set_total(bid, len(lines))
@@ -199,8 +201,9 @@ class BatchRunner:
         chunks = (f"{line}\n".encode() for line in _chain(first, lines))
         return self._files.create(f"{bid}_{kind}.jsonl", "batch_output", chunks).id
 
-    def _fail(self, bid: str, message: str) -> None:
-        errors = {"object": "list", "data": [{"code": str(ErrorCode.INVALID_REQUEST), "message": message}]}
+    def fail(self, bid: str, code: ErrorCode, message: str) -> None:
+        """End the batch as failed, with the error that its `errors` shows."""
+        errors = {"object": "list", "data": [{"code": str(code), "message": message, "line": None}]}
         self._store.move(bid, {"validating", "in_progress", "cancelling"}, "failed", errors=errors)
         self._store.drop_progress(bid)
 

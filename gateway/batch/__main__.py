@@ -1,0 +1,40 @@
+"""`python -m gateway.batch`: a batch worker (Celery); `--help` lists every setting and its variable."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from gateway.batch.settings import BatchSettings
+from shared.batches import BATCH_QUEUE
+from shared.settings import parse_settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(BatchSettings, argv, prog="gateway.batch")
+    from shared.model_files import tokenizer_folder
+
+    # A GGUF model's tokenizer is extracted (once, cached) before the worker loads it.
+    settings.model = tokenizer_folder(settings.model)
+    # The task module reads its settings from the environment (as `celery -A gateway.batch.worker` does).
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            os.environ[name.upper()] = str(value)
+    from gateway.batch.worker import app
+
+    app.worker_main(
+        [
+            "worker",
+            "--pool=threads",
+            f"--concurrency={settings.batch_concurrency}",
+            f"--queues={BATCH_QUEUE}",
+            f"--hostname=batch-{os.getpid()}@{socket.gethostname()}",
+            f"--loglevel={settings.log_level}",
+            "--without-gossip",
+            "--without-mingle",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The Celery application of the Batch API, as both sides configure it: the gateway queues batches on it, the
+batch workers (gateway.batch.worker) run them.
+
+Redis is the broker and the result backend, the same Redis as the rest under the deployment's prefix
+(`{prefix}:celery:`). A task is acknowledged only once it has returned (acks_late), and not when it raised
+or its worker was lost: a batch task whose Celery worker died, even by kill -9, is delivered again once the
+visibility timeout has passed. Messages are JSON, never pickle.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from gateway.settings import ClientSettings
+from shared.batches import BATCH_QUEUE
+
+# How often a batch worker looks for tasks whose worker died (past the visibility timeout).
+RESTORE_INTERVAL_S = 1
+
+
+def make_celery(settings: ClientSettings) -> Celery:
+    prefix = settings.keys.celery_prefix
+    app = Celery("pagedserve", broker=settings.redis_url, backend=settings.redis_url, set_as_current=False)
+    app.conf.update(
+        broker_transport_options={
+            "global_keyprefix": prefix,
+            "visibility_timeout": settings.batch_visibility_timeout_s,
+            "unacked_restore_interval": RESTORE_INTERVAL_S,
+            "unacked_restore_throttle": 1,
+        },
+        result_backend_transport_options={"global_keyprefix": prefix},
+        result_expires=settings.request_ttl_s,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        task_default_queue=BATCH_QUEUE,
+        task_acks_late=True,
+        task_acks_on_failure_or_timeout=False,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,  # a Redis away is waited out, never a reason to exit
+        task_track_started=True,
+    )
+    return app

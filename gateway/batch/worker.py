@@ -1,0 +1,94 @@
+"""The batch worker's side of the Celery app: the task that runs a batch, one slice per task.
+
+`python -m gateway.batch` starts a Celery worker on this module; Celery's own tools reach it the same way,
+with the same environment: `celery -A gateway.batch.worker inspect active`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from gateway.batch.celery_app import make_celery
+from gateway.batch.files import FileStore
+from gateway.batch.lines import LineContext
+from gateway.batch.records import BatchStore
+from gateway.batch.runner import LEASE_S, BatchRunner
+from gateway.batch.settings import BatchSettings
+from gateway.batch.storage import storage_at
+from gateway.event_hub import EventHub
+from gateway.generation import Limits
+from gateway.tokenization import load_tokenizer
+from gateway.worker_watch import WorkerWatch
+from shared.batches import RUN_BATCH_TASK
+from shared.errors import ErrorCode
+from shared.redis_client import connect
+from shared.registry import WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+# A batch's lines wait this long at most between looks at their requests (their deadline, the workers).
+TICK_S = 1.0
+
+settings = BatchSettings.model_validate({})
+app = make_celery(settings)
+
+_runner: BatchRunner | None = None
+_runner_lock = threading.Lock()
+
+
+def runner() -> BatchRunner:
+    """The process's runner, built at its first batch (the tokenizer loads once per process)."""
+    global _runner
+    with _runner_lock:
+        if _runner is None:
+            _runner = build_runner(settings)
+        return _runner
+
+
+def build_runner(settings: BatchSettings) -> BatchRunner:
+    keys = settings.keys
+    client = connect(settings.redis_url, client_name=f"{settings.redis_prefix}:batch")
+    limits = Limits(
+        timeout_s=settings.request_timeout_s,
+        tick_s=TICK_S,
+        request_ttl_s=settings.request_ttl_s,
+        no_worker_grace_s=settings.no_worker_grace_s,
+        redis_outage_grace_s=settings.redis_outage_grace_s,
+    )
+    store = BatchStore(client, keys, settings.batch_retention_s)
+    ctx = LineContext(
+        client=client,
+        store=store,
+        tokenizer=load_tokenizer(settings.model, settings.max_model_len),
+        hub=EventHub(client),
+        watch=WorkerWatch(WorkerRegistry(client, keys)),
+        limits=limits,
+        model_name=settings.served_model_name,
+        priority=settings.batch_priority,
+    )
+    files = FileStore(client, keys, storage_at(settings.batch_storage_dir))
+    return BatchRunner(
+        ctx, files, lines_in_flight=settings.batch_lines_in_flight, slice_s=settings.batch_slice_s
+    )
+
+
+@app.task(name=RUN_BATCH_TASK)
+def run_batch(batch_id: str) -> str:
+    """One slice of a batch; the next slice is queued before this one is acknowledged."""
+    try:
+        outcome = runner().run(batch_id)
+    except redis.RedisError as e:
+        logger.warning("batch %s: Redis failed (%s); it runs again shortly", batch_id, e)
+        outcome = "busy"
+    except Exception:
+        logger.exception("batch %s failed", batch_id)
+        runner().fail(batch_id, ErrorCode.INTERNAL_ERROR, "the batch failed on an internal error")
+        outcome = "ended"
+    if outcome == "handover":
+        app.send_task(RUN_BATCH_TASK, args=[batch_id])
+    elif outcome == "busy":
+        app.send_task(RUN_BATCH_TASK, args=[batch_id], countdown=LEASE_S)
+    return outcome
