@@ -20,8 +20,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in settings.model_dump().items():
         if value is not None:
             os.environ[name.upper()] = str(value)
-    from gateway.batch.worker import app
+    from gateway.batch.worker import app, runner
 
+    runner()  # the tokenizer, loaded before the first batch arrives
     app.worker_main(
         [
             "worker",

@@ -90,5 +90,6 @@ def run_batch(batch_id: str) -> str:
     if outcome == "handover":
         app.send_task(RUN_BATCH_TASK, args=[batch_id])
     elif outcome == "busy":
-        app.send_task(RUN_BATCH_TASK, args=[batch_id], countdown=LEASE_S)
+        # (well within the visibility timeout: a task waiting for its countdown is not yet acknowledged)
+        app.send_task(RUN_BATCH_TASK, args=[batch_id], countdown=LEASE_S / 2)
     return outcome
