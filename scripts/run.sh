@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make run`: the whole suite on this machine - a Redis (when none answers at REDIS_URL), the scheduler,
-# WORKERS workers (default 1; on the CPU when there is no GPU) and the gateway on http://HOST:PORT.
+# WORKERS workers (default 1; on the CPU when there is no GPU), BATCH_WORKERS batch workers (Celery, default 1)
+# and the gateway on http://HOST:PORT.
 # A service that exits on its own is started again after RESTART_DELAY_S (as compose's restart policy does).
 # Ctrl-C stops everything this script started. Settings: the environment, as listed by each service's --help.
 set -euo pipefail
@@ -8,6 +9,7 @@ cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 WORKERS=${WORKERS:-1}
+BATCH_WORKERS=${BATCH_WORKERS:-1}
 RESTART_DELAY_S=${RESTART_DELAY_S:-1}
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 export HOST=${HOST:-127.0.0.1}
@@ -66,6 +68,7 @@ fi
 
 supervise scheduler "$PY" -m scheduler_svc & pids+=($!)
 for i in $(seq "$WORKERS"); do supervise "worker $i" "$PY" -m gpu_worker & pids+=($!); done
+for i in $(seq "$BATCH_WORKERS"); do supervise "batch worker $i" "$PY" -m gateway.batch & pids+=($!); done
 supervise gateway "$PY" -m gateway & pids+=($!)
 
 url="http://$HOST:$PORT"

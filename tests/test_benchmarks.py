@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -136,6 +137,42 @@ def test_serving_one_command_smoke(
             assert row[path]["num_failed"] == 0 and row[path]["num_output_tokens"] == 4 * 4
             itl = row[path]["itl_ms"]
             assert 0 < itl["p50"] <= itl["p90"] <= itl["p99"]
+    # The services are gone, and so is every key under their prefix.
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{results['url']}/health", timeout=2)
+    assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{results['redis_prefix']}:*"))
+
+
+def test_batch_latency_smoke(
+    tiny_model_path: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """batch_latency.main starts its own services with a batch worker, runs both phases, and leaves nothing."""
+    import batch_latency
+
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("NUM_KV_BLOCKS", "64")
+    monkeypatch.setenv("GATEWAY_WORKERS", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two-thread steps crawl when the cores are busy
+    out, png = tmp_path / "batch_latency.json", tmp_path / "batch_latency.png"
+    results = batch_latency.main(
+        ["--model", tiny_model_path, "--duration-s", "3", "--clients", "2", "--batch-lines", "20",
+         "--batch-max-tokens", "8", "--max-tokens", "8", "--batch-timeout-s", "60", "--json", str(out),
+         "--plot", str(png)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == results
+    assert png.stat().st_size > 0 and (tmp_path / "batch_latency.log").stat().st_size > 0
+    for phase in ("no_batch", "with_batch"):
+        assert results[phase]["requests"] > 0 and results[phase]["failed"] == 0
+        ttft = results[phase]["ttft_ms"]
+        assert 0 < ttft["p50"] <= ttft["p99"]
+    batch = results["batch"]
+    assert batch["status"] == "completed" and batch["lines"] == 20 and batch["completed"] == 20
+    assert batch["seconds"] > 0 and batch["lines_per_s"] > 0
+    progress = batch["progress"]
+    assert progress and progress[-1][1] == 20
+    for before, after in itertools.pairwise(progress):
+        assert before[0] < after[0] and before[1] <= after[1] and before[2] <= after[2]
+    assert results["ttft_p50_ratio"] > 0 and isinstance(results["target_met"], bool)
     # The services are gone, and so is every key under their prefix.
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{results['url']}/health", timeout=2)

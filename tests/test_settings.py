@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gateway.batch.settings import BatchSettings
 from gateway.settings import GatewaySettings
 from gpu_worker.config import EngineConfig
 from gpu_worker.settings import WorkerSettings, engine_config
@@ -16,8 +17,18 @@ from scheduler_svc.settings import SchedulerSettings
 from shared.settings import CommonSettings, parse_settings
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVICES = {"gateway": GatewaySettings, "scheduler_svc": SchedulerSettings, "gpu_worker": WorkerSettings}
-COMPOSE_SERVICES = {"gateway": GatewaySettings, "scheduler": SchedulerSettings, "worker": WorkerSettings}
+SERVICES = {
+    "gateway": GatewaySettings,
+    "gateway.batch": BatchSettings,
+    "scheduler_svc": SchedulerSettings,
+    "gpu_worker": WorkerSettings,
+}
+COMPOSE_SERVICES = {
+    "gateway": GatewaySettings,
+    "batch": BatchSettings,
+    "scheduler": SchedulerSettings,
+    "worker": WorkerSettings,
+}
 
 
 def env_names(cls: type[CommonSettings]) -> set[str]:
