@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from gateway.batch.api import CreateBatchBody
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,7 +60,7 @@ def _errors(*statuses: int) -> dict[str, Json]:
     meaning = {
         400: "invalid request",
         401: "missing or wrong API key",
-        404: "unknown model",
+        404: "unknown model, file or batch",
         413: "body too large",
         415: "body is not JSON",
         500: "the generation failed",
@@ -158,11 +159,86 @@ def _schemas() -> Json:
         TokenizeCompletionRequest,
         TokenizeChatRequest,
         DetokenizeRequest,
+        CreateBatchBody,
     ]
     _, top = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
     )
     return {**top["$defs"], "Error": _ERROR}
+
+
+def _path_param(name: str) -> list[Json]:
+    return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]
+
+
+def _operation(summary: str, ok: str, *statuses: int, **extra: Any) -> Json:
+    return {
+        "summary": summary,
+        "responses": {"200": _json(_OBJECT, ok), **_errors(*statuses)},
+        "security": [{"bearer": []}],
+        **extra,
+    }
+
+
+_PAGE = [
+    {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+    {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer"}},
+]
+
+
+def _batch_paths() -> Json:
+    """The Batch API's routes (gateway.batch.api)."""
+    upload = {
+        "type": "object",
+        "required": ["file", "purpose"],
+        "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"const": "batch"}},
+    }
+    return {
+        "/v1/files": {
+            "post": _operation(
+                "Upload a batch's requests (JSONL)",
+                "the file",
+                400,
+                401,
+                413,
+                requestBody={"required": True, "content": {"multipart/form-data": {"schema": upload}}},
+            ),
+            "get": _operation("The files, newest first", "a page of files", 400, 401, parameters=_PAGE),
+        },
+        "/v1/files/{file_id}": {
+            "get": _operation("One file", "the file", 401, 404),
+            "delete": _operation("Delete a file", "the file, deleted", 401, 404),
+            "parameters": _path_param("file_id"),
+        },
+        "/v1/files/{file_id}/content": {
+            "get": _operation("A file's content", "the content", 401, 404),
+            "parameters": _path_param("file_id"),
+        },
+        "/v1/batches": {
+            "post": _operation(
+                "Run a file's requests as a batch",
+                "the batch",
+                400,
+                401,
+                404,
+                413,
+                415,
+                requestBody={
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref("CreateBatchBody")}},
+                },
+            ),
+            "get": _operation("The batches, newest first", "a page of batches", 400, 401, parameters=_PAGE),
+        },
+        "/v1/batches/{batch_id}": {
+            "get": _operation("One batch, with its progress", "the batch", 401, 404),
+            "parameters": _path_param("batch_id"),
+        },
+        "/v1/batches/{batch_id}/cancel": {
+            "post": _operation("Cancel a batch", "the batch", 400, 401, 404),
+            "parameters": _path_param("batch_id"),
+        },
+    }
 
 
 def document(model_name: str) -> Json:
@@ -216,6 +292,7 @@ def document(model_name: str) -> Json:
         ),
         "/openapi.json": _get("This document", _json(_OBJECT, "OpenAPI 3 document")),
         "/version": _get("The server's version", _json(_OBJECT, "`version`: the package's version")),
+        **_batch_paths(),
     }
     return {
         "openapi": "3.1.0",

@@ -146,7 +146,7 @@ def test_serving_one_command_smoke(
 def test_batch_latency_smoke(
     tiny_model_path: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """batch_latency.main starts its own services with a batch worker, runs both phases, and leaves nothing."""
+    """batch_latency.main starts its own services (with a batch worker), runs both phases, leaves nothing."""
     import batch_latency
 
     monkeypatch.setenv("REDIS_URL", redis_url)

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,7 +65,7 @@ class Responder(threading.Thread):
 
 
 @pytest.fixture
-def api_schema(redis_url: str, keys: Keys, tiny_model_path: str) -> Iterator[Any]:
+def api_schema(redis_url: str, keys: Keys, tiny_model_path: str, tmp_path: Path) -> Iterator[Any]:
     client = connect(redis_url)
     now = time.time()
     beat = Heartbeat(
@@ -83,6 +84,7 @@ def api_schema(redis_url: str, keys: Keys, tiny_model_path: str) -> Iterator[Any
             "request_timeout_s": 10.0,
             "sse_heartbeat_s": 0.2,
             "resume_grace_s": 0.2,
+            "batch_storage_dir": str(tmp_path / "files"),
         }
     )
     yield schemathesis.openapi.from_wsgi("/openapi.json", create_app(settings_))

@@ -119,7 +119,7 @@ def submit(client: openai.OpenAI, args: argparse.Namespace) -> int:
         batch = follow(client, batch.id, args.poll_s, sys.stderr)
     except KeyboardInterrupt:
         sys.stderr.write(
-            f"\nstopped waiting (the batch goes on); follow it with: python -m gateway.batch.cli status {batch.id}\n"
+            f"\nstopped waiting, the batch goes on. See python -m gateway.batch.cli status {batch.id}\n"
         )
         return 130
     output = args.output or path.with_name(f"{path.stem}.output.jsonl")

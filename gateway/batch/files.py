@@ -60,7 +60,8 @@ class FileStore:
         pipe.delete(self._keys.file(file_id))
         pipe.zrem(self._keys.files, file_id)
         existed = bool(pipe.execute()[0])
-        self._storage.delete(file_id)
+        if existed:  # (an id from a record is one of ours; any other never reaches the storage)
+            self._storage.delete(file_id)
         return existed
 
 

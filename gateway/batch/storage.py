@@ -35,7 +35,6 @@ class LocalStorage:
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser()
-        self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, file_id: str) -> Path:
         assert file_id.replace("-", "").replace("_", "").isalnum(), file_id  # ids are ours, never a path
@@ -43,6 +42,7 @@ class LocalStorage:
 
     def write(self, file_id: str, chunks: Iterable[bytes]) -> int:
         size = 0
+        self.root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
         try:
             with os.fdopen(fd, "wb") as out:
