@@ -305,6 +305,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     for color, (name, label) in zip(("C0", "C1"), (("no_batch", "no batch"), ("with_batch", "with batch"))):
@@ -313,6 +314,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         for q, style in (("p50", "--"), ("p99", ":")):
             left.axvline(results[name]["ttft_ms"][q], color=color, linestyle=style, linewidth=1)
     left.set_xscale("log")
+    left.xaxis.set_major_formatter(ScalarFormatter())
+    left.xaxis.set_minor_formatter(ScalarFormatter())
     left.set_xlabel("TTFT (ms); dashed p50, dotted p99")
     left.set_ylabel("fraction of requests")
     left.set_title(

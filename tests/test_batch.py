@@ -27,7 +27,11 @@ from cluster import MODEL_NAME, Cluster
 
 from shared.errors import ErrorCode
 
-cluster = batch_fixture("tiny_model_path")
+MAX_FILE_BYTES = 100_000
+MAX_LINES = 300
+cluster = batch_fixture(
+    "tiny_model_path", BATCH_MAX_FILE_BYTES=str(MAX_FILE_BYTES), BATCH_MAX_LINES=str(MAX_LINES)
+)
 PRIORITY = int(BATCH_ENV["BATCH_PRIORITY"])
 ENDED = {"completed", "failed", "expired", "cancelled"}
 TOPICS = ["the sea", "a mountain", "bread", "a violin", "winter", "a library", "coffee", "a bridge"]
@@ -205,6 +209,17 @@ def test_a_bad_file_is_refused_naming_its_first_bad_line(cluster: Cluster) -> No
     assert error["param"] == "purpose"
     response = requests.post(f"{cluster.base_url}/v1/files", json={"purpose": "batch"}, timeout=30)
     assert_openai_error(response, 400, ErrorCode.INVALID_REQUEST)
+
+
+def test_a_file_past_the_limits_is_refused(cluster: Cluster) -> None:
+    line = chat_line("a", "hi")
+    lines = [{**line, "custom_id": f"n-{i}"} for i in range(MAX_LINES + 1)]
+    error = assert_openai_error(upload(cluster, jsonl(lines)), 400, ErrorCode.INVALID_REQUEST)
+    assert f"line {MAX_LINES + 1}" in error["message"] and str(MAX_LINES) in error["message"]
+    big = jsonl([{**line, "pad": "x" * 1000, "custom_id": f"b-{i}"} for i in range(120)])
+    assert len(big) > MAX_FILE_BYTES
+    assert_openai_error(upload(cluster, big), 413, ErrorCode.BODY_TOO_LARGE)
+    assert upload(cluster, jsonl(lines[:MAX_LINES])).status_code == 200  # right at the limits
 
 
 def test_files_round_trip_and_unknown_ids(cluster: Cluster) -> None:

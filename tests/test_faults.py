@@ -20,6 +20,7 @@ from typing import Any
 import openai
 import pytest
 import requests
+from batch_cluster import chat_line, submit, wait_until
 from cluster import (
     MODEL_NAME,
     Cluster,
@@ -74,10 +75,14 @@ def faults(
         NUM_KV_BLOCKS="128",
         NO_WORKER_GRACE_S="2",
         REDIS_OUTAGE_GRACE_S="20",
+        BATCH_STORAGE_DIR=str(redis_dir / "files"),
+        BATCH_VISIBILITY_TIMEOUT_S="12",
+        BATCH_SLICE_S="3",
     )
     fault = None
     try:
         with running_cluster(env, tmp_path_factory.mktemp("fault-logs"), ("w1",), without_engine) as cluster:
+            cluster.start("batch", "gateway.batch", **without_engine)
             fault = FaultCluster(cluster, proc, port, redis_dir)
             yield fault
     finally:
@@ -175,6 +180,12 @@ def test_redis_restarted_empty_ends_streams_with_a_code_and_the_services_recover
     assert expected_text.startswith(complete(cluster))
     served_s = time.monotonic() - killed_at
     print(f"served again {served_s:.1f} s after the kill ({recovered_s:.1f} s after the restart)")
+    # The batch worker (Celery) rode out the outage too: a batch sent now runs.
+    lines = [chat_line(f"after-{i}", PROMPT) for i in range(5)]
+    done = wait_until(
+        cluster.client(), submit(cluster.client(), lines).id, {"completed", "failed"}, timeout=90
+    )
+    assert done.status == "completed" and done.request_counts.completed == 5, done
     faults.assert_all_alive()
 
 
