@@ -39,8 +39,11 @@ def api_cluster(
         yield c
 
 
-def cluster_fixture(model_fixture: str, workers: tuple[str, ...] = ("w1",), **overrides: str) -> Any:
-    """A module-scoped `cluster` fixture: api_cluster serving the model that fixture names, with overrides."""
+def cluster_fixture(
+    model_fixture: str, workers: tuple[str, ...] = ("w1",), make: Any = api_cluster, **overrides: str
+) -> Any:
+    """A module-scoped `cluster` fixture: api_cluster (or make, which takes the same arguments) serving the
+    model that fixture names, with overrides."""
 
     @pytest.fixture(scope="module")
     def cluster(
@@ -51,7 +54,7 @@ def cluster_fixture(model_fixture: str, workers: tuple[str, ...] = ("w1",), **ov
     ) -> Iterator[Cluster]:
         model = request.getfixturevalue(model_fixture)
         logs = tmp_path_factory.mktemp("logs")
-        with api_cluster(model, redis_url, logs, without_engine, workers, **overrides) as c:
+        with make(model, redis_url, logs, without_engine, workers, **overrides) as c:
             yield c
 
     return cluster

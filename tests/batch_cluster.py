@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
-import pytest
-from api_cluster import api_cluster
+from api_cluster import api_cluster, cluster_fixture
 from cluster import MODEL_NAME, Cluster
 
 from shared.protocol import GenerateRequest, RequestMeta, decode
@@ -28,12 +27,16 @@ BATCH_ENV = {
 
 @contextlib.contextmanager
 def batch_cluster(
-    model: str, redis_url: str, logs: Path, without_engine: dict[str, str], **overrides: str
+    model: str,
+    redis_url: str,
+    logs: Path,
+    without_engine: dict[str, str],
+    workers: tuple[str, ...] = ("w1",),
+    **overrides: str,
 ) -> Iterator[Cluster]:
     """api_cluster with one batch worker ("batch"), sharing a storage folder with the gateway."""
-    storage = logs / "files"
-    env = {**BATCH_ENV, "BATCH_STORAGE_DIR": str(storage), **overrides}
-    with api_cluster(model, redis_url, logs, without_engine, **env) as c:
+    env = {**BATCH_ENV, "BATCH_STORAGE_DIR": str(logs / "files"), **overrides}
+    with api_cluster(model, redis_url, logs, without_engine, workers, **env) as c:
         start_batch_worker(c, "batch", without_engine)
         yield c
 
@@ -43,19 +46,8 @@ def start_batch_worker(c: Cluster, name: str, without_engine: dict[str, str]) ->
 
 
 def batch_fixture(model_fixture: str, **overrides: str) -> Any:
-    @pytest.fixture(scope="module")
-    def cluster(
-        request: pytest.FixtureRequest,
-        redis_url: str,
-        tmp_path_factory: pytest.TempPathFactory,
-        without_engine: dict[str, str],
-    ) -> Iterator[Cluster]:
-        model = request.getfixturevalue(model_fixture)
-        logs = tmp_path_factory.mktemp("logs")
-        with batch_cluster(model, redis_url, logs, without_engine, **overrides) as c:
-            yield c
-
-    return cluster
+    """A module-scoped `cluster` fixture: batch_cluster serving the model that fixture names."""
+    return cluster_fixture(model_fixture, make=batch_cluster, **overrides)
 
 
 def chat_line(custom_id: str, content: str, **body: Any) -> dict[str, Any]:
