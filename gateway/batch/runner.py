@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Literal
@@ -24,7 +24,7 @@ import redis
 from gateway.batch.files import FileStore, custom_id_of, read_lines
 from gateway.batch.lines import Line, LineContext, LineRun, is_success
 from gateway.batch.records import BatchRecord
-from shared.errors import ErrorCode
+from shared.errors import CodedError, ErrorCode
 from shared.keys import Keys
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ Outcome = Literal["ended", "handover", "busy", "gone"]
 LEASE_S = 10.0
 # How often the run looks at the batch's record (cancel) and renews its lease.
 POLL_S = 0.5
+MAX_LINE_CRASHES = 3
 
 # KEYS[1] the lease; ARGV[1] the holder's token, ARGV[2] the lease in ms. Extends the lease if the token
 # still holds it (renew, ARGV[2] > 0) or lets it go (release, ARGV[2] = 0): 1 when the token held it.
@@ -125,6 +126,7 @@ class BatchRunner:
         todo = deque(line for line in lines if line.key not in done)
         stopping: list[str] = []  # what the lines in flight are told (stop() reads it from their threads)
         in_flight: dict[Future[str], Line] = {}
+        crashes: Counter[str] = Counter()
         started = time.monotonic()
         reason = "done"
         with ThreadPoolExecutor(self._lines_in_flight, thread_name_prefix=f"batch-{bid[-8:]}") as pool:
@@ -141,13 +143,16 @@ class BatchRunner:
                     line = todo.popleft()
                     run = LineRun(self._ctx, bid, endpoint, line)
                     in_flight[pool.submit(run.run, lambda: stopping[0] if stopping else None)] = line
+                if not in_flight:
+                    if reason == "handover":  # every line this slice sent has finished
+                        break
+                    time.sleep(POLL_S)  # the workers are away: nothing was sent
+                    continue
                 finished, _ = wait(in_flight, timeout=POLL_S, return_when=FIRST_COMPLETED)
                 for future in finished:
                     line = in_flight.pop(future)
-                    if _outcome(future, line) == "retry":
+                    if self._outcome(bid, future, line, crashes) == "retry":
                         todo.append(line)
-                if reason == "handover" and not in_flight:
-                    break
             else:
                 reason = "done"
         return reason
@@ -166,6 +171,28 @@ class BatchRunner:
     def _drained(self, started: float) -> bool:
         """Past the slice and its time to let lines in flight finish."""
         return time.monotonic() - started >= 2 * self._slice_s
+
+    def _outcome(self, bid: str, future: Future[str], line: Line, crashes: Counter[str]) -> str:
+        """What a line's run ended with; one that raised runs again, up to MAX_LINE_CRASHES times, and then
+        gets an internal_error in the error file (a bug must not stall its batch)."""
+        try:
+            return future.result()
+        except Exception as e:
+            crashes[line.key] += 1
+            logger.log(
+                logging.WARNING if isinstance(e, redis.RedisError) else logging.ERROR,
+                "batch %s, line %d failed (%s, try %d)",
+                bid,
+                line.number,
+                e,
+                crashes[line.key],
+                exc_info=not isinstance(e, redis.RedisError),
+            )
+        if crashes[line.key] < MAX_LINE_CRASHES:
+            return "retry"
+        error = CodedError(ErrorCode.INTERNAL_ERROR, "the request failed on an internal error")
+        self._store.record(bid, line.key, line.failure(bid, error), failed=True)
+        return "done"
 
     def _worker_up(self) -> bool:
         return self._ctx.watch.seconds_without_worker() == 0.0
@@ -220,13 +247,3 @@ def _ok(output: str | None) -> bool:
 def _expired(bid: str, line: Line) -> str:
     message = "the request did not run within the batch's completion window"
     return json.dumps(line.refusal(bid, ErrorCode.BATCH_EXPIRED, message), ensure_ascii=False)
-
-
-def _outcome(future: Future[str], line: Line) -> str:
-    try:
-        return future.result()
-    except redis.RedisError as e:
-        logger.warning("line %d: Redis failed (%s); it runs again", line.number, e)
-    except Exception:
-        logger.exception("line %d failed; it runs again", line.number)
-    return "retry"
