@@ -51,6 +51,7 @@ from gpu_worker.settings import WorkerSettings
 
 TARGET_TTFT_P50_RATIO = 1.5
 POLL_S = 0.5
+WARM_UP_S = 5.0
 ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
 TOPICS = [
     "the sea", "a mountain", "bread", "a violin", "winter", "a library", "coffee", "a bridge", "the moon",
@@ -379,8 +380,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         key = os.environ.get("API_KEY", "unused")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=3600)
         served = client.models.list().data[0].id
-        for _ in range(2):  # warm-up
-            one_request(client, served, prompt(next(counter)), 4, time.perf_counter())
+        # Warm-up: the same load for a few seconds, not measured (the first steps of a fresh worker are slow).
+        run_load(client, served, args.clients, min(WARM_UP_S, args.duration_s), args.max_tokens, counter)
         no_batch = run_load(client, served, args.clients, args.duration_s, args.max_tokens, counter)
         print("interactive load without a batch: done", flush=True)
         with_batch, window, watch, record = run_batch_phase(client, served, args, counter)

@@ -3,6 +3,7 @@ it, download its results. The batch itself runs on the batch workers (gateway.ba
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -10,6 +11,7 @@ from typing import Any, Literal
 
 import redis
 from flask import Response, jsonify, request
+from kombu.exceptions import OperationalError
 from pydantic import Field, field_validator
 
 from gateway.batch.celery_app import make_celery
@@ -146,7 +148,12 @@ class BatchAPI:
             metadata=body.metadata,
         )
         record = self.batches.create(spec)
-        self._celery.send_task(RUN_BATCH_TASK, args=[spec.id], queue=BATCH_QUEUE)
+        try:
+            self._celery.send_task(RUN_BATCH_TASK, args=[spec.id], queue=BATCH_QUEUE)
+        except (OperationalError, redis.RedisError) as e:
+            with contextlib.suppress(redis.RedisError):
+                self.batches.delete(spec.id)
+            raise APIError(ErrorCode.QUEUE_UNAVAILABLE, f"the batch could not be queued: {e}") from e
         return jsonify(record.api())
 
     def list_batches(self) -> Response:

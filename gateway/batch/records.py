@@ -92,6 +92,13 @@ class BatchStore:
         pipe.execute()
         return BatchRecord(fields)
 
+    def delete(self, batch_id: str) -> None:
+        """Forget a batch that never started (it could not be queued)."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(self.keys.batch(batch_id))
+        pipe.zrem(self.keys.batches, batch_id)
+        pipe.execute()
+
     def get(self, batch_id: str) -> BatchRecord | None:
         fields = self._client.hgetall(self.keys.batch(batch_id))
         if not fields or "spec" not in fields:
