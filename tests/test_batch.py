@@ -144,7 +144,10 @@ def test_cancel_mid_batch_keeps_what_finished(cluster: Cluster) -> None:
 
 def test_a_batch_past_its_window_expires_with_what_finished(cluster: Cluster) -> None:
     client = cluster.client()
-    lines = [chat_line(f"e-{i}", prompt(i), max_tokens=256, ignore_eos=True) for i in range(120)]
+    # The first lines are short, so some finish within the window; the rest cannot.
+    lines = [
+        chat_line(f"e-{i}", prompt(i), max_tokens=2 if i < 4 else 256, ignore_eos=True) for i in range(120)
+    ]
     done = wait_until(client, submit(client, lines, completion_window="3s").id, ENDED, timeout=60)
     assert done.status == "expired" and done.expired_at, done
     finished = results(client, done.output_file_id)
