@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -103,7 +103,7 @@ class BatchStore:
         fields = self._client.hgetall(self.keys.batch(batch_id))
         if not fields or "spec" not in fields:
             return None
-        return BatchRecord({_text(k): _text(v) for k, v in fields.items()})
+        return BatchRecord(cast(dict[str, str], fields))  # (replies are decoded: shared.redis_client)
 
     def page(self, *, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         return listing_page(self._client, self.keys.batches, after, limit, self.get)
@@ -119,7 +119,7 @@ class BatchStore:
                 try:
                     pipe.watch(key)
                     status = pipe.hget(key, "status")
-                    if status is None or _text(status) not in allowed:
+                    if status is None or status not in allowed:
                         return False
                     pipe.multi()
                     update: dict[str, str] = {"status": to}
@@ -164,14 +164,10 @@ class BatchStore:
         return bool(self._record_line(keys=keys, args=args))
 
     def done_ids(self, batch_id: str) -> set[str]:
-        return {_text(k) for k in self._client.hkeys(self.keys.batch_done(batch_id))}
+        return set(cast(list[str], self._client.hkeys(self.keys.batch_done(batch_id))))
 
     def done_lines(self, batch_id: str) -> dict[str, str]:
-        return {_text(k): _text(v) for k, v in self._client.hgetall(self.keys.batch_done(batch_id)).items()}
+        return cast(dict[str, str], self._client.hgetall(self.keys.batch_done(batch_id)))
 
     def drop_progress(self, batch_id: str) -> None:
         self._client.delete(self.keys.batch_claims(batch_id), self.keys.batch_done(batch_id))
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
