@@ -127,11 +127,13 @@ class ModelShape:
         return total
 
 
-def matmul_flops_per_s(device: torch.device, n: int = 2048, repeats: int = 5) -> float:
-    """The best fp32 rate of an n x n matmul on this device and thread count: the MFU denominator."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    out = torch.empty(n, n, device=device)
+def matmul_flops_per_s(
+    device: torch.device, n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32
+) -> float:
+    """The best rate of an n x n matmul on this device and thread count (fp32: the MFU denominator)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
     best = float("inf")
     for i in range(repeats + 1):
         if device.type == "cuda":

@@ -19,6 +19,7 @@ import cpu_kernel_bench
 import memory
 import offline
 import profile_steps
+import roofline
 import serving
 from workloads import ModelShape, make_workload
 
@@ -45,6 +46,25 @@ def test_flops_count_the_causal_context() -> None:
     per_request = 2 * 1000 * 3 + 2 * 100 * 32 * 2 + 4 * 2 * 4 * 8 * (3 * 4 / 2)
     assert shape.flops(wl) == pytest.approx(2 * per_request)
     assert shape.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 8 * 4
+
+
+def test_roofline_smoke(tiny_model_path: str, tmp_path: Path) -> None:
+    out, png = tmp_path / "roofline.json", tmp_path / "roofline.png"
+    results = roofline.main(
+        ["--model", tiny_model_path, "--batches", "1", "4", "--steps", "3", "--prefill-tokens", "64",
+         "--json", str(out), "--plot", str(png)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == results and png.stat().st_size > 0
+    machine = results["machine"]
+    assert all(machine[k] > 0 for k in ("read_bytes_per_s", "copy_bytes_per_s", "fp32_matmul_flops_per_s"))
+    assert [r["step"] for r in results["rows"]] == ["decode 1", "decode 4", "prefill 64"]
+    one, four, prefill = results["rows"]
+    assert one["memory_bound_s"] == four["memory_bound_s"] > 0  # every weight once, whatever the batch
+    assert four["fp32_compute_bound_s"] > one["fp32_compute_bound_s"] > 0
+    assert prefill["flops"] > four["flops"]
+    for r in results["rows"]:
+        assert r["step_s"] > 0 and r["over_bound"] > 0
+        assert r["where"]["matmul_s"] > 0 and r["where"]["profiled_wall_s"] >= r["where"]["matmul_s"]
 
 
 def test_offline_smoke(tiny_model_path: str, tmp_path: Path) -> None:

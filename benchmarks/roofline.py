@@ -1,0 +1,257 @@
+"""The engine's steps against this machine's limits: how far each step is from what memory and matmuls allow.
+
+    .venv/bin/python benchmarks/roofline.py                       # the default model, fp32, ~3 min
+    .venv/bin/python benchmarks/roofline.py --batches 1 32 --steps 10
+
+Measures, in the same run, this machine's read bandwidth (summing a large fp32 tensor), copy bandwidth (bytes
+read plus written by a large copy) and matmul rates (the best of square fp32 and bf16 matmuls), then times
+steps of the engine (LLMEngine, fp32 by default): decode steps at each batch size (that many requests, each
+past a short prompt, one token each per step) and one prefill chunk. Each step is set against two bounds:
+
+- memory: every weight byte read once (the tied embedding is read whole by the LM head) over the read
+  bandwidth; a step cannot take less, whatever its batch;
+- compute: the step's FLOPs (2 x parameters x tokens, the LM head on the sampled rows, attention over the
+  context) over the fp32 matmul rate, and over the bf16 rate (what bf16 weights could reach).
+
+A profile of one step per row (torch.profiler) says where the time goes: matmuls, attention, the rest of the
+ops, and what is outside every op (Python, dispatch). Prints a table; writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from workloads import ModelShape, benchmark_parser, matmul_flops_per_s
+
+from gpu_worker import LLMEngine, SamplingParams
+
+PROMPT_LEN = 32
+# Op names by kind, for the profile's summary (the rest is "other ops").
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+ATTENTION_OPS = ("pagedserve", "attention", "scaled_dot_product")
+
+
+def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second read by a sum over a tensor far larger than the caches (the best of repeats)."""
+    data = torch.ones(num_bytes // 4)
+    best = min(_timed(lambda: data.sum()) for _ in range(repeats + 1))
+    return num_bytes / best
+
+
+def copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes per second read and written by a copy (both counted), the best of repeats."""
+    src, dst = torch.ones(num_bytes // 4), torch.empty(num_bytes // 4)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats + 1))
+    return 2 * num_bytes / best
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter (a tied weight once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def step_flops(shape: ModelShape, num_tokens: int, num_sampled: int, context_lens: list[int]) -> float:
+    """FLOPs of one step: the layers over every token, the LM head over the sampled rows, and attention of
+    each new token over its context (QK^T and PV)."""
+    attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * sum(context_lens)
+    head = 2 * shape.vocab_size * shape.hidden_size * num_sampled
+    return 2 * shape.num_params_without_embeddings * num_tokens + head + attention
+
+
+@contextlib.contextmanager
+def decoding(engine: LLMEngine, batch: int, num_steps: int, tag: str) -> Iterator[None]:
+    """`batch` requests past their prompts and their first decode step, each with num_steps more to run; they
+    are aborted afterwards (which frees their blocks and forgets them)."""
+    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 4, ignore_eos=True)
+    for i in range(batch):
+        prompt = [(17 + 7 * i + 3 * j) % 1000 + 10 for j in range(PROMPT_LEN)]
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    running = engine.step_scheduler.running
+    while engine.step_scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in running):
+        engine.step()
+    engine.step()  # every request's first decode step (warm)
+    try:
+        yield
+    finally:
+        for i in range(batch):
+            engine.abort_request(f"{tag}-{i}")
+
+
+def prefill_step(engine: LLMEngine, num_tokens: int, salt: int) -> float:
+    """Seconds of one step that prefills a num_tokens prompt (and samples its first token); each salt makes a
+    prompt of its own, so no step finds its prompt in the prefix cache."""
+    tag = f"prefill-{salt}"
+    prompt = [(13 + 5 * j + 7 * salt * (j + 1)) % 1000 + 10 for j in range(num_tokens)]
+    engine.add_request(tag, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    seconds = _timed(engine.step)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.release(tag)
+    return seconds
+
+
+def profile_of(run: Any) -> dict[str, float]:
+    """Where one call's time goes: seconds in matmul ops, attention ops, other ops, and outside every op."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        run()
+        wall = time.perf_counter() - start
+    kinds = {"matmul_s": 0.0, "attention_s": 0.0, "other_ops_s": 0.0}
+    for event in prof.key_averages():
+        seconds = event.self_cpu_time_total / 1e6
+        if event.key in MATMUL_OPS:
+            kinds["matmul_s"] += seconds
+        elif any(name in event.key.lower() for name in ATTENTION_OPS):
+            kinds["attention_s"] += seconds
+        else:
+            kinds["other_ops_s"] += seconds
+    kinds["outside_ops_s"] = max(0.0, wall - sum(kinds.values()))
+    kinds["profiled_wall_s"] = wall
+    return kinds
+
+
+def row(
+    name: str,
+    seconds: float,
+    flops: float,
+    limits: dict[str, float],
+    weights: int,
+    where: dict[str, float],
+) -> dict[str, Any]:
+    memory_s = weights / limits["read_bytes_per_s"]
+    fp32_s = flops / limits["fp32_matmul_flops_per_s"]
+    bf16_s = flops / limits["bf16_matmul_flops_per_s"]
+    bound = max(memory_s, fp32_s)
+    return {
+        "step": name,
+        "step_s": seconds,
+        "memory_bound_s": memory_s,
+        "fp32_compute_bound_s": fp32_s,
+        "bf16_compute_bound_s": bf16_s,
+        "bound": "memory" if memory_s >= fp32_s else "compute",
+        "over_bound": seconds / bound,
+        "achieved_flops_per_s": flops / seconds,
+        "flops": flops,
+        "where": where,
+    }
+
+
+def print_table(results: dict[str, Any]) -> None:
+    limits = results["machine"]
+    read, copy = limits["read_bytes_per_s"] / 1e9, limits["copy_bytes_per_s"] / 1e9
+    fp32, bf16 = limits["fp32_matmul_flops_per_s"] / 1e9, limits["bf16_matmul_flops_per_s"] / 1e9
+    print(
+        f"read {read:.1f} GB/s, copy {copy:.1f} GB/s, fp32 matmul {fp32:.0f} GFLOP/s, bf16 matmul {bf16:.0f}"
+        f" GFLOP/s; weights {results['weight_bytes'] / 1e6:.0f} MB ({results['dtype']}), {results['threads']}"
+        " threads"
+    )
+    print(
+        f"{'step':<14}{'ms':>8}{'mem ms':>8}{'fp32 ms':>9}{'bf16 ms':>9}{'x bound':>9}"
+        f"{'matmul':>8}{'attn':>7}{'ops':>7}{'outside':>9}"
+    )
+    for r in results["rows"]:
+        w = r["where"]
+        wall = w["profiled_wall_s"]
+        shares = [w[k] / wall for k in ("matmul_s", "attention_s", "other_ops_s", "outside_ops_s")]
+        print(
+            f"{r['step']:<14}{1000 * r['step_s']:>8.1f}{1000 * r['memory_bound_s']:>8.1f}"
+            f"{1000 * r['fp32_compute_bound_s']:>9.1f}{1000 * r['bf16_compute_bound_s']:>9.1f}"
+            f"{r['over_bound']:>8.2f}x" + "".join(f"{s:>7.0%} " for s in shares)
+        )
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if r["step"].startswith("decode")]
+    batches = [int(r["step"].split()[-1]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(batches, [1000 * r["step_s"] for r in rows], "o-", label="decode step")
+    ax.plot(batches, [1000 * r["memory_bound_s"] for r in rows], "--", label="weights / read bandwidth")
+    ax.plot(batches, [1000 * r["fp32_compute_bound_s"] for r in rows], ":", label="FLOPs / fp32 matmul rate")
+    ax.plot(batches, [1000 * r["bf16_compute_bound_s"] for r in rows], ":", label="FLOPs / bf16 matmul rate")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests decoding (tokens per step)")
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"decode steps against this machine's limits ({results['dtype']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = benchmark_parser(__doc__, "roofline")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--prefill-tokens", type=int, default=512, help="the prefill chunk's length")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args(argv)
+
+    engine = LLMEngine(args.model, device="cpu", dtype=getattr(torch, args.dtype))
+    shape = ModelShape.of(engine.model)
+    weights = weight_bytes(engine.model)
+    cpu = torch.device("cpu")
+    limits = {
+        "read_bytes_per_s": read_bandwidth(),
+        "copy_bytes_per_s": copy_bandwidth(),
+        "fp32_matmul_flops_per_s": matmul_flops_per_s(cpu),
+        "bf16_matmul_flops_per_s": matmul_flops_per_s(cpu, dtype=torch.bfloat16),
+    }
+    with decoding(engine, max(args.batches), 3, "warm-up"):
+        for _ in range(3):
+            engine.step()
+    rows = []
+    for batch in args.batches:
+        with decoding(engine, batch, args.steps + 1, f"decode-{batch}"):
+            seconds = statistics.median(_timed(engine.step) for _ in range(args.steps))
+            where = profile_of(engine.step)
+        context = [PROMPT_LEN + 2 + args.steps // 2] * batch
+        flops = step_flops(shape, batch, batch, context)
+        rows.append(row(f"decode {batch}", seconds, flops, limits, weights, where))
+    n = args.prefill_tokens
+    seconds = statistics.median(prefill_step(engine, n, salt) for salt in range(1, 4))
+    flops = step_flops(shape, n, 1, list(range(1, n + 1)))
+    where = profile_of(lambda: prefill_step(engine, n, 4))
+    rows.append(row(f"prefill {n}", seconds, flops, limits, weights, where))
+    results = {
+        "model": str(args.model or "SmolLM2-135M-Instruct"),
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "machine": limits,
+        "weight_bytes": weights,
+        "shape": dataclasses.asdict(shape),
+        "rows": rows,
+    }
+    print_table(results)
+    out, png = Path(args.json), Path(args.plot)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    plot(results, png)
+    print(f"wrote {out} and {png}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
