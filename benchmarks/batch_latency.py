@@ -45,7 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import openai
 from services import Services
-from workloads import percentile
+from workloads import percentile, write_json
 
 from gpu_worker.settings import WorkerSettings
 
@@ -403,8 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if services and services.keys_left:
         print(f"keys the services left under their prefix (deleted): {services.keys_left}")
     out, png = Path(args.json), Path(args.plot)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    write_json(results, out)
     png.parent.mkdir(parents=True, exist_ok=True)
     plot(results, png)
     print(f"wrote {out} and {png}")

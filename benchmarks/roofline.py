@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -34,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from workloads import ModelShape, benchmark_parser, matmul_flops_per_s
+from workloads import ModelShape, benchmark_parser, matmul_flops_per_s, write_json
 
 from gpu_worker import LLMEngine, SamplingParams
 
@@ -250,8 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print_table(results)
     out, png = Path(args.json), Path(args.plot)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    write_json(results, out)
     plot(results, png)
     print(f"wrote {out} and {png}")
     return results

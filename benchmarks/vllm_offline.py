@@ -21,7 +21,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: offline.py's --pool-mib 1024
 
-from workloads import WORKLOADS, Workload, make_workload
+from workloads import WORKLOADS, Workload, make_workload, write_json
 
 MAX_BATCHED_TOKENS = 2048  # as offline.py
 MAX_NUM_SEQS = 256
@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         print(f"{key}: {median:.2f} s, {wl.num_output_tokens / median:.1f} output tokens/s")
     out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    write_json(results, out)
     print(f"wrote {out}")
     return results
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -154,6 +156,14 @@ def percentile(values: list[float], q: float) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def write_json(results: dict[str, Any], path: str | Path) -> Path:
+    """The results as indented JSON at path, its folder made if need be."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    return out
 
 
 def benchmark_parser(doc: str | None, name: str) -> argparse.ArgumentParser:

@@ -13,8 +13,8 @@ from typing import Any, TextIO
 import openai
 from openai.types import Batch
 
-ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+from shared.batches import BATCH_ENDPOINTS, ENDED_STATUSES
+
 BAR_WIDTH = 20
 
 
@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("path", type=Path)
     submit.add_argument("--wait", action="store_true", help="follow the batch and write its results")
-    submit.add_argument("--endpoint", choices=ENDPOINTS, help="default: the first line's url")
+    submit.add_argument("--endpoint", choices=BATCH_ENDPOINTS, help="default: the first line's url")
     submit.add_argument("--completion-window", default="24h")
     submit.add_argument("--poll-s", type=float, default=1.0)
     for name, help_text in [("status", "print a batch as JSON"), ("cancel", "cancel a batch")]:
@@ -52,8 +52,8 @@ def default_endpoint(data: bytes) -> str:
     try:
         url = json.loads(data.split(b"\n", 1)[0]).get("url")
     except (ValueError, AttributeError):
-        return ENDPOINTS[0]
-    return url if url in ENDPOINTS else ENDPOINTS[0]
+        return BATCH_ENDPOINTS[0]
+    return url if url in BATCH_ENDPOINTS else BATCH_ENDPOINTS[0]
 
 
 def progress(batch: Batch) -> str:
@@ -78,7 +78,7 @@ def follow(client: openai.OpenAI, batch_id: str, poll_s: float, err: TextIO) -> 
             err.write(line + "\n")
             last = state
         err.flush()
-        if batch.status in ENDED:
+        if batch.status in ENDED_STATUSES:
             if tty:
                 err.write("\n")
             return batch
@@ -142,7 +142,7 @@ def cancel(client: openai.OpenAI, args: argparse.Namespace) -> int:
 def results(client: openai.OpenAI, args: argparse.Namespace) -> int:
     """Writes the files of an ended batch."""
     batch = client.batches.retrieve(args.batch_id)
-    if batch.status not in ENDED:
+    if batch.status not in ENDED_STATUSES:
         raise CLIError(f"batch {batch.id} has not ended: it is {batch.status}")
     output = args.output or Path(f"{batch.id}.output.jsonl")
     errors = args.errors or Path(f"{batch.id}.errors.jsonl")

@@ -76,6 +76,10 @@ def is_success(output: Json) -> bool:
     return output.get("error") is None and response is not None and response.get("status_code") == 200
 
 
+def is_chat(endpoint: str) -> bool:
+    return endpoint == "/v1/chat/completions"
+
+
 class LineRefused(CodedError):
     """The line is not a request the batch can send."""
 
@@ -129,7 +133,7 @@ def prepare_line(line: Line, endpoint: str, tokenizer: Tokenizer, model_name: st
         raise LineRefused(ErrorCode.INVALID_REQUEST, f"line {line.number}: body must be a JSON object")
     if body.get("stream"):
         raise APIError(ErrorCode.INVALID_REQUEST, "a batch's requests cannot stream", param="stream")
-    if endpoint == "/v1/chat/completions":
+    if is_chat(endpoint):
         chat = validate(ChatCompletionRequest, body)
         check_model(chat.model, model_name)
         return [prepare_chat(chat, tokenizer)]
@@ -197,7 +201,6 @@ class LineRun:
                 return batch
             ctx.store.reclaim(self._batch_id, self.line.key, request_ids)  # they were lost before they ran
         batch = PromptBatch(ctx.client, prepared, tick_s=ctx.limits.tick_s)
-        self._formats = []
         for one in prepared:
             self._add(batch, ctx.generation(one, batch.wakeup))
         batch.submit(BATCH_OWNER)
@@ -205,14 +208,13 @@ class LineRun:
 
     def _attach(self, request_ids: list[str]) -> PromptBatch | None:
         ctx = self._ctx
-        chat = self._endpoint == "/v1/chat/completions"
+        chat = is_chat(self._endpoint)
         try:
             metas = [load_request(ctx.client, ctx.store.keys, r, BATCH_OWNER, chat=chat) for r in request_ids]
         except APIError:
             return None  # a record that has gone: its requests never ran, or ran so long ago they expired
         prepared = [Prepared.from_meta(meta, stream=False) for meta in metas]
         batch = PromptBatch(ctx.client, prepared, tick_s=ctx.limits.tick_s)
-        self._formats = []
         for one in prepared:
             generation = ctx.generation(one, batch.wakeup)
             self._add(batch, generation)

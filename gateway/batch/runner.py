@@ -15,7 +15,6 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Literal
 
@@ -205,11 +204,13 @@ class BatchRunner:
         if not cancelling and not expired and not self._store.move(bid, {"in_progress"}, "finalizing"):
             cancelling = True  # cancelled meanwhile
         outputs = self._store.done_lines(bid)
-        output_id = self._write(bid, "output", (outputs[x.key] for x in lines if _ok(outputs.get(x.key))))
-        errors = [outputs[line.key] for line in lines if line.key in outputs and not _ok(outputs[line.key])]
+        recorded = [outputs[line.key] for line in lines if line.key in outputs]  # in the file's order
+        succeeded = [is_success(json.loads(output)) for output in recorded]
+        output_id = self._write(bid, "output", [o for o, ok in zip(recorded, succeeded) if ok])
+        errors = [o for o, ok in zip(recorded, succeeded) if not ok]
         if expired and not cancelling:
             errors += [_expired(bid, line) for line in lines if line.key not in outputs]
-        error_id = self._write(bid, "error", iter(errors))
+        error_id = self._write(bid, "error", errors)
         files = {"output_file_id": output_id, "error_file_id": error_id}
         files = {k: v for k, v in files.items() if v is not None}
         if cancelling:
@@ -220,12 +221,11 @@ class BatchRunner:
             )
         self._store.drop_progress(bid)
 
-    def _write(self, bid: str, kind: str, lines: Iterator[str]) -> str | None:
+    def _write(self, bid: str, kind: str, lines: list[str]) -> str | None:
         """A result file of the batch (None when it would be empty)."""
-        first = next(lines, None)
-        if first is None:
+        if not lines:
             return None
-        chunks = (f"{line}\n".encode() for line in _chain(first, lines))
+        chunks = (f"{line}\n".encode() for line in lines)
         return self._files.create(f"{bid}_{kind}.jsonl", "batch_output", chunks).id
 
     def fail(self, bid: str, code: ErrorCode, message: str) -> None:
@@ -233,15 +233,6 @@ class BatchRunner:
         errors = {"object": "list", "data": [{"code": str(code), "message": message, "line": None}]}
         self._store.move(bid, {"validating", "in_progress", "cancelling"}, "failed", errors=errors)
         self._store.drop_progress(bid)
-
-
-def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
-    yield first
-    yield from rest
-
-
-def _ok(output: str | None) -> bool:
-    return output is not None and is_success(json.loads(output))
 
 
 def _expired(bid: str, line: Line) -> str:
