@@ -39,7 +39,7 @@ from gpu_worker import LLMEngine, SamplingParams
 
 PROMPT_LEN = 32
 # Op names by kind, for the profile's summary (the rest is "other ops").
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise")
 ATTENTION_OPS = ("pagedserve", "attention", "scaled_dot_product")
 
 
@@ -63,9 +63,13 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter (a tied weight once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def weight_bytes(model: Any) -> int:
+    """Bytes a step reads from weights: every parameter once, except input embeddings that are not also the
+    LM head (a step gathers a few of their rows; the CPU's packed head is a copy of a tied embedding)."""
+    embeddings = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    skip = () if head is not None and head.weight is embeddings else (id(embeddings),)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
 def step_flops(shape: ModelShape, num_tokens: int, num_sampled: int, context_lens: list[int]) -> float:

@@ -7,8 +7,8 @@ from transformers import PreTrainedModel
 
 from gpu_worker.attention import AttentionMetadata
 from gpu_worker.kv_cache import KVCache
+from gpu_worker.packed_linear import pack_linears
 from gpu_worker.step_scheduler import StepSchedule
-from gpu_worker.vocab_projection import use_vocab_projection
 
 
 class ModelRunner:
@@ -16,7 +16,7 @@ class ModelRunner:
     (and at the prompt positions of sequences that asked for prompt logprobs)."""
 
     def __init__(self, model: PreTrainedModel, kv_cache: KVCache) -> None:
-        use_vocab_projection(model)
+        pack_linears(model)
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
