@@ -17,6 +17,7 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model_loader import load_model
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.packed_linear import cpu_has_bf16
 from gpu_worker.prompt_logprobs import prompt_logit_spans, record_prompt_logprobs
 from gpu_worker.request_checks import EngineLimits, check_request
 from gpu_worker.sampler import Sampler, SamplerOutput
@@ -34,8 +35,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on a GPU and on a CPU with bf16 instructions (weights, KV cache and matmuls in bf16,
+    accumulated in fp32), else float32."""
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     resolved = getattr(torch, dtype, None)

@@ -31,6 +31,13 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return False
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (avx512_bf16 or AMX), where bf16 runs faster than fp32
+    instead of being emulated."""
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return bool(native) and packing_supported(torch.bfloat16)
+
+
 class PackedLinear(nn.Module):
     """Drop-in for an nn.Linear on the CPU. The packed weight replaces the plain one (same bytes, one copy)
     unless the plain one is shared, as a head tied to the embeddings is."""

@@ -27,7 +27,10 @@ class WorkerSettings(CommonSettings, EngineConfig):
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}", description="unique worker name"
     )
     device: str | None = Field(None, description="cuda, cuda:N or cpu (default: cuda when present)")
-    dtype: str = Field("auto", description="float32, bfloat16, float16 or auto")
+    dtype: str = Field(
+        "auto",
+        description="float32, bfloat16, float16 or auto (bfloat16 on a GPU or on a CPU with bf16 instructions)",
+    )
     heartbeat_interval_s: float = Field(1.0, description="seconds between heartbeats")
 
 

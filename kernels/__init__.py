@@ -2,7 +2,7 @@
 
 Each op runs its CUDA kernel (kernels/csrc, built on first use) when its tensors are on a CUDA device, and its
 pure-torch twin from kernels.torch_ops otherwise or where no kernel is compiled for the shape; both share one
-signature. On the CPU, decode attention in float32 runs a C++ kernel (kernels/csrc/cpu, also built on first
+signature. On the CPU, decode attention in float32 and bfloat16 runs a C++ kernel (kernels/csrc/cpu, also built on first
 use) when a compiler is at hand. Callers never import torch_ops or the extensions directly.
 """
 
@@ -21,6 +21,7 @@ __all__ = ["copy_blocks", "load", "paged_attention", "write_kv_cache"]
 DECODE_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 DECODE_BLOCK_SIZES = (8, 16, 32)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CPU_DTYPES = (torch.float32, torch.bfloat16)
 # The CPU kernel's head size: a multiple of its vector width (kLanes in csrc/cpu/paged_attention_cpu.cpp).
 CPU_HEAD_SIZE_MULTIPLE = 8
 
@@ -36,7 +37,7 @@ def _cuda_ops(t: Tensor) -> Any | None:
 
 
 def _cpu_ops(t: Tensor) -> Any | None:
-    if t.device.type != "cpu" or t.dtype != torch.float32:
+    if t.device.type != "cpu" or t.dtype not in CPU_DTYPES:
         return None
     from kernels.build import load_cpu_extension
 
@@ -95,7 +96,7 @@ def _decode_kernel(out: Tensor, query: Tensor, k_cache: Tensor, block_table: Ten
     if query.stride(-1) != 1 or out.stride(-1) != 1:
         return None
     if query.device.type == "cpu":
-        ops = _cpu_ops(k_cache)  # float32 caches only
+        ops = _cpu_ops(k_cache)
         fits = query.dtype == out.dtype == k_cache.dtype and k_cache.shape[3] % CPU_HEAD_SIZE_MULTIPLE == 0
         fits = fits and block_table.is_contiguous()
     else:

@@ -2,11 +2,12 @@
 //
 // The pure-torch twin gathers every decode sequence's context into a padded copy and runs SDPA over it, which
 // on a CPU costs more than the attention itself. Here each (sequence, KV head) pair reads its K and V rows once,
-// straight from the pool through the block table, for all query heads that share that KV head. fp32 only; the
-// Python side keeps other dtypes, and head sizes that are not a multiple of 8, on the twin. Each sequence's
-// K and V rows are read once for all query heads.
+// straight from the pool through the block table, for all query heads that share that KV head. float32 and
+// bfloat16 (read as float, accumulated in float); the Python side keeps float16, and head sizes that are not a
+// multiple of 8, on the twin.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -23,18 +24,21 @@ using at::Tensor;
 constexpr int64_t kLanes = 8;  // one AVX2 register of floats; head_size must be a multiple of it
 
 // Dot product in kLanes independent partial sums, so the compiler vectorizes it without reassociating floats.
-inline float dot(const float* a, const float* b, int64_t n) {
+// K rows of either dtype are widened to float as they are read.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   float partial[kLanes] = {};
   for (int64_t d = 0; d < n; d += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) partial[j] += a[d + j] * b[d + j];
+    for (int64_t j = 0; j < kLanes; ++j) partial[j] += a[d + j] * static_cast<float>(b[d + j]);
   }
   float sum = 0.f;
   for (int64_t j = 0; j < kLanes; ++j) sum += partial[j];
   return sum;
 }
 
-inline void axpy(float* y, float alpha, const float* x, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) y[d] += alpha * x[d];
+template <typename T>
+inline void axpy(float* y, float alpha, const T* x, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] += alpha * static_cast<float>(x[d]);
 }
 
 void check_index(const Tensor& t, const char* name, int64_t dim) {
@@ -43,11 +47,15 @@ void check_index(const Tensor& t, const char* name, int64_t dim) {
   PAGEDSERVE_CHECK(t.dim() == dim && t.is_contiguous(), name, " must be a contiguous ", dim, "-d tensor");
 }
 
-void check_float(const Tensor& t, const char* name) {
+void check_float(const Tensor& t, const char* name, at::ScalarType dtype) {
   PAGEDSERVE_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  PAGEDSERVE_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  PAGEDSERVE_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, " as query is, got ", t.scalar_type());
   PAGEDSERVE_CHECK(t.stride(-1) == 1, name, " must be contiguous in head_size");
 }
+
+template <typename T>
+void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+            const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc, double scale);
 
 // Every sequence with exactly one new query token attends over its whole context; sequences with more are
 // skipped (their rows of out are left as they are).
@@ -59,10 +67,13 @@ void paged_attention_decode(Tensor& out,                    // [num_tokens, num_
                             const Tensor& seq_lens,         // [num_seqs] int32
                             const Tensor& query_start_loc,  // [num_seqs + 1] int32
                             double scale) {
-  check_float(out, "out");
-  check_float(query, "query");
-  check_float(k_cache, "k_cache");
-  check_float(v_cache, "v_cache");
+  const auto dtype = query.scalar_type();
+  PAGEDSERVE_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "query must be float32 or bfloat16, got ",
+                   dtype);
+  check_float(out, "out", dtype);
+  check_float(query, "query", dtype);
+  check_float(k_cache, "k_cache", dtype);
+  check_float(v_cache, "v_cache", dtype);
   check_index(block_table, "block_table", 2);
   check_index(seq_lens, "seq_lens", 1);
   check_index(query_start_loc, "query_start_loc", 1);
@@ -80,6 +91,19 @@ void paged_attention_decode(Tensor& out,                    // [num_tokens, num_
   PAGEDSERVE_CHECK(block_table.size(0) == num_seqs && query_start_loc.size(0) == num_seqs + 1,
                    "block_table, seq_lens and query_start_loc disagree on the number of sequences");
 
+  if (dtype == at::kFloat) {
+    decode<float>(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale);
+  } else {
+    decode<c10::BFloat16>(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale);
+  }
+}
+
+template <typename T>
+void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+            const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc, double scale) {
+  const int64_t num_seqs = seq_lens.size(0), num_heads = query.size(1);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2), head_size = k_cache.size(3);
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
@@ -97,10 +121,10 @@ void paged_attention_decode(Tensor& out,                    // [num_tokens, num_
   }
 
   const int64_t group = num_heads / num_kv_heads;
-  const float* q_base = query.data_ptr<float>();
-  float* out_base = out.data_ptr<float>();
-  const float* k_base = k_cache.data_ptr<float>();
-  const float* v_base = v_cache.data_ptr<float>();
+  const T* q_base = query.data_ptr<T>();
+  T* out_base = out.data_ptr<T>();
+  const T* k_base = k_cache.data_ptr<T>();
+  const T* v_base = v_cache.data_ptr<T>();
   const int64_t q_token = query.stride(0), q_head = query.stride(1);
   const int64_t o_token = out.stride(0), o_head = out.stride(1);
   const int64_t c_block = k_cache.stride(0), c_token = k_cache.stride(1), c_head = k_cache.stride(2);
@@ -110,19 +134,23 @@ void paged_attention_decode(Tensor& out,                    // [num_tokens, num_
   // (one contiguous row of the block), so each cache line is fetched once and the prefetcher sees a stream.
   at::parallel_for(0, static_cast<int64_t>(decodes.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, max_score(num_heads), sum(num_heads), acc(num_heads * head_size);
+    std::vector<float> q(num_heads * head_size);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = decodes[item];
       const int64_t ctx = lens[s], token = starts[s];
       const int32_t* row = table + s * max_blocks;
-      const float* q_token_base = q_base + token * q_token;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const T* q_head_base = q_base + token * q_token + h * q_head;
+        for (int64_t d = 0; d < head_size; ++d) q[h * head_size + d] = static_cast<float>(q_head_base[d]);
+      }
       scores.resize(num_heads * ctx);
       std::fill(max_score.begin(), max_score.end(), -std::numeric_limits<float>::infinity());
       // Pass 1: scores of every query head against every K row.
       for (int64_t pos = 0; pos < ctx; ++pos) {
         const int64_t block = row[pos / block_size];  // widened before the stride multiply
-        const float* k_row = k_base + block * c_block + (pos % block_size) * c_token;
+        const T* k_row = k_base + block * c_block + (pos % block_size) * c_token;
         for (int64_t h = 0; h < num_heads; ++h) {
-          const float score = dot(q_token_base + h * q_head, k_row + (h / group) * c_head, head_size) * fscale;
+          const float score = dot(q.data() + h * head_size, k_row + (h / group) * c_head, head_size) * fscale;
           scores[h * ctx + pos] = score;
           max_score[h] = std::max(max_score[h], score);
         }
@@ -141,15 +169,15 @@ void paged_attention_decode(Tensor& out,                    // [num_tokens, num_
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t pos = 0; pos < ctx; ++pos) {
         const int64_t block = row[pos / block_size];
-        const float* v_row = v_base + block * c_block + (pos % block_size) * c_token;
+        const T* v_row = v_base + block * c_block + (pos % block_size) * c_token;
         for (int64_t h = 0; h < num_heads; ++h) {
           axpy(acc.data() + h * head_size, scores[h * ctx + pos], v_row + (h / group) * c_head, head_size);
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
-        float* o = out_base + token * o_token + h * o_head;
+        T* o = out_base + token * o_token + h * o_head;
         const float inv = 1.f / sum[h];
-        for (int64_t d = 0; d < head_size; ++d) o[d] = acc[h * head_size + d] * inv;
+        for (int64_t d = 0; d < head_size; ++d) o[d] = static_cast<T>(acc[h * head_size + d] * inv);
       }
     }
   });
