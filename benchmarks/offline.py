@@ -168,7 +168,7 @@ class Bench:
         if name not in self.llms:
             self.llms[name] = LLM(
                 self.path,
-                dtype="float32",
+                dtype=self.args.dtype,
                 device=self.device,
                 kv_cache_memory_bytes=pool_bytes,
                 max_num_batched_tokens=MAX_BATCHED_TOKENS,
@@ -336,6 +336,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--pool-mib", type=int, default=1024, help="KV pool of W1-W3 (pagedserve, continuous)"
     )
     parser.add_argument("--kv-budget-mib", type=float, default=512, help="KV budget of every system in W2eq")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="pagedserve's weights and KV cache (transformers' systems stay in float32)",
+    )
     parser.add_argument(
         "--systems",
         nargs="+",

@@ -39,7 +39,9 @@ from gpu_worker import LLMEngine, SamplingParams
 
 PROMPT_LEN = 32
 # Op names by kind, for the profile's summary (the rest is "other ops").
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise")
+MATMUL_OPS = (
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise",
+)  # fmt: skip
 ATTENTION_OPS = ("pagedserve", "attention", "scaled_dot_product")
 
 

@@ -1,10 +1,11 @@
 """pagedserve against vLLM's CPU build on the same offline workloads: output tokens/s side by side.
 
-    make bench-vllm      # runs both (benchmarks/offline.py --systems pagedserve, benchmarks/vllm_offline.py
-                         # in its own venv) on W1, W2 and W3, then this
+    make bench-vllm                        # runs both (benchmarks/offline.py --systems pagedserve,
+                                           # benchmarks/vllm_offline.py in its own venv) on W1-W3, then this
+    make bench-vllm BENCH_DTYPE=bfloat16   # the same with weights and KV cache in bf16
 
-Reads the two runs' JSON (benchmarks/results/offline_pagedserve.json and vllm_offline.json by default), prints
-the table, writes JSON and a bar plot.
+Reads the two runs' JSON (benchmarks/results/offline_pagedserve_<dtype>.json and vllm_offline_<dtype>.json by
+default), prints the table, writes JSON and a bar plot.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def compare(offline: dict[str, Any], vllm: dict[str, Any]) -> list[dict[str, Any
     return rows
 
 
-def plot(rows: list[dict[str, Any]], version: str, path: Path) -> None:
+def plot(rows: list[dict[str, Any]], version: str, dtype: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,6 +48,7 @@ def plot(rows: list[dict[str, Any]], version: str, path: Path) -> None:
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["pagedserve"] for r in rows], 0.4, label="pagedserve")
     ax.bar([x + 0.2 for x in xs], [r["vllm"] for r in rows], 0.4, label=f"vLLM {version} (CPU)")
+    ax.set_title(dtype)
     ax.set_xticks(list(xs), [f"{r['workload']}\n{r['ratio']:.2f}x" for r in rows])
     ax.set_ylabel("output tokens/s")
     ax.legend()
@@ -59,18 +61,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pagedserve", default="benchmarks/results/offline_pagedserve.json")
-    parser.add_argument("--vllm", default="benchmarks/results/vllm_offline.json")
-    parser.add_argument("--json", default="benchmarks/results/vs_vllm.json")
-    parser.add_argument("--plot", default="benchmarks/results/vs_vllm.png")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--pagedserve", help="default: benchmarks/results/offline_pagedserve_<dtype>.json")
+    parser.add_argument("--vllm", help="default: benchmarks/results/vllm_offline_<dtype>.json")
+    parser.add_argument("--json", help="default: benchmarks/results/vs_vllm_<dtype>.json")
+    parser.add_argument("--plot", help="default: benchmarks/results/vs_vllm_<dtype>.png")
     args = parser.parse_args(argv)
+    results = Path("benchmarks/results")
+    args.pagedserve = args.pagedserve or results / f"offline_pagedserve_{args.dtype}.json"
+    args.vllm = args.vllm or results / f"vllm_offline_{args.dtype}.json"
+    args.json = args.json or results / f"vs_vllm_{args.dtype}.json"
+    args.plot = args.plot or results / f"vs_vllm_{args.dtype}.png"
     vllm = json.loads(Path(args.vllm).read_text())
     rows = compare(json.loads(Path(args.pagedserve).read_text()), vllm)
     print(f"{'workload':<10}{'pagedserve tok/s':>18}{'vLLM tok/s':>12}{'ratio':>8}")
     for r in rows:
         print(f"{r['workload']:<10}{r['pagedserve']:>18.1f}{r['vllm']:>12.1f}{r['ratio']:>7.2f}x")
-    Path(args.json).write_text(json.dumps({"vllm": vllm["vllm"], "rows": rows}, indent=2))
-    plot(rows, vllm["vllm"], Path(args.plot))
+    summary = {"vllm": vllm["vllm"], "dtype": args.dtype, "rows": rows}
+    Path(args.json).write_text(json.dumps(summary, indent=2))
+    plot(rows, vllm["vllm"], args.dtype, Path(args.plot))
     print(f"wrote {args.json} and {args.plot}")
     return rows
 

@@ -29,7 +29,7 @@ class WorkerSettings(CommonSettings, EngineConfig):
     device: str | None = Field(None, description="cuda, cuda:N or cpu (default: cuda when present)")
     dtype: str = Field(
         "auto",
-        description="float32, bfloat16, float16 or auto (bfloat16 on a GPU or on a CPU with bf16 instructions)",
+        description="float32, bfloat16, float16 or auto (bfloat16 on a GPU or a CPU with bf16 instructions)",
     )
     heartbeat_interval_s: float = Field(1.0, description="seconds between heartbeats")
 

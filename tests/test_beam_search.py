@@ -89,7 +89,7 @@ def tiny_prompts(count: int, length: int, seed: int = 3) -> list[list[int]]:
 
 
 def test_beams_share_blocks_and_copy_on_write(tiny_model_path: str) -> None:
-    llm = LLM(tiny_model_path, num_kv_blocks=256, block_size=16)
+    llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=256, block_size=16)
     engine = llm.engine
     engine.add_request("r", tiny_prompts(1, 40)[0], beam(4, max_tokens=40, ignore_eos=True))
     shared_steps = 0
@@ -114,9 +114,12 @@ def test_beams_share_blocks_and_copy_on_write(tiny_model_path: str) -> None:
 def test_preemption_keeps_beams(tiny_model_path: str) -> None:
     prompts = tiny_prompts(3, 40, seed=5)
     params = beam(4, max_tokens=32, ignore_eos=True)
-    reference = [[c.token_ids for c in o.outputs] for o in LLM(tiny_model_path).generate(prompts, params)]
+    reference = [
+        [c.token_ids for c in o.outputs]
+        for o in LLM(tiny_model_path, dtype="float32").generate(prompts, params)
+    ]
     # 4 beams of 72 tokens take at most 20 blocks of 16: one request fits, three at once do not.
-    llm = LLM(tiny_model_path, num_kv_blocks=24, block_size=16)
+    llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=24, block_size=16)
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
@@ -133,7 +136,7 @@ def test_preemption_keeps_beams(tiny_model_path: str) -> None:
 
 def test_iteration_tokens_count_every_live_beam_row(tiny_model_path: str) -> None:
     """vllm:iteration_tokens_total: the prompt, then one token per live beam and step (2 beams, 5 tokens)."""
-    engine = LLM(tiny_model_path, num_kv_blocks=256, block_size=16).engine
+    engine = LLM(tiny_model_path, dtype="float32", num_kv_blocks=256, block_size=16).engine
     engine.add_request("r", tiny_prompts(1, 20)[0], beam(2, max_tokens=5, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -142,7 +145,7 @@ def test_iteration_tokens_count_every_live_beam_row(tiny_model_path: str) -> Non
 
 
 def test_abort_frees_every_beam(tiny_model_path: str) -> None:
-    llm = LLM(tiny_model_path, num_kv_blocks=256, block_size=16)
+    llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=256, block_size=16)
     engine = llm.engine
     engine.add_request("r", tiny_prompts(1, 20)[0], beam(4, max_tokens=40, ignore_eos=True))
     for _ in range(6):
@@ -155,7 +158,7 @@ def test_abort_frees_every_beam(tiny_model_path: str) -> None:
 
 
 def test_offline_beam_search_api(tiny_model_path: str) -> None:
-    llm = LLM(tiny_model_path, num_kv_blocks=256, block_size=16)
+    llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=256, block_size=16)
     prompts = tiny_prompts(2, 12, seed=9)
     outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=10), use_tqdm=False)
     again = llm.generate(prompts, beam(3, max_tokens=10), use_tqdm=False)

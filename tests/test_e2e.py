@@ -50,7 +50,7 @@ def drained(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def offline(tiny_model_path: str) -> LLM:
-    return LLM(tiny_model_path, num_kv_blocks=NUM_KV_BLOCKS, block_size=16)
+    return LLM(tiny_model_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, block_size=16)
 
 
 PROMPTS = [

@@ -91,7 +91,7 @@ def faults(
 
 @pytest.fixture(scope="module")
 def expected_text(tiny_model_path: str) -> str:
-    llm = LLM(tiny_model_path, num_kv_blocks=64)
+    llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
 

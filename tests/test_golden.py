@@ -85,7 +85,7 @@ def test_tiny_batch_matches_transformers(
     tiny_reference: list[list[int]],
     options: dict[str, Any],
 ) -> None:
-    llm = LLM(tiny_model_path, num_kv_blocks=1024, **options)
+    llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=1024, **options)
     assert token_ids(llm.generate(tiny_prompts, GREEDY, use_tqdm=False)) == tiny_reference
     assert_pool_drained(llm)
 
@@ -94,7 +94,7 @@ def test_tiny_preemption_keeps_output(
     tiny_model_path: str, tiny_prompts: list[list[int]], tiny_reference: list[list[int]]
 ) -> None:
     # 40 blocks of 16 slots hold the longest request (511 + 24 tokens) but nowhere near all nine at once.
-    llm = LLM(tiny_model_path, num_kv_blocks=40, block_size=16)
+    llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=40, block_size=16)
     assert token_ids(llm.generate(tiny_prompts, GREEDY, use_tqdm=False)) == tiny_reference
     assert llm.stats.num_preemptions > 0
     assert_pool_drained(llm)
@@ -109,7 +109,7 @@ def test_tiny_prefix_cache_hits_keep_output(tiny_model_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     reference = hf_greedy(model, prompts)
     # Two sequences at a time: later prompts arrive after the shared prefix's blocks are computed and cached.
-    llm = LLM(tiny_model_path, num_kv_blocks=512, block_size=16, max_num_seqs=2)
+    llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=512, block_size=16, max_num_seqs=2)
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
     assert llm.stats.prefix_cache_hit_rate > 0
     # The whole batch again: every full prompt block is now a hit.
@@ -122,7 +122,7 @@ def test_tiny_parallel_greedy_samples_share_prompt_blocks(
     tiny_model_path: str, tiny_prompts: list[list[int]], tiny_reference: list[list[int]]
 ) -> None:
     # n=3 greedy: each sample must equal the reference, so the copy-on-write copies are exact.
-    llm = LLM(tiny_model_path, num_kv_blocks=1024, block_size=16)
+    llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=1024, block_size=16)
     params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW_TOKENS)
     outputs = llm.generate(tiny_prompts, params, use_tqdm=False)
     for out, ref in zip(outputs, tiny_reference):
@@ -136,7 +136,7 @@ def test_tiny_parallel_greedy_samples_share_prompt_blocks(
 
 
 def test_tiny_seeded_samples_reproducible(tiny_model_path: str, tiny_prompts: list[list[int]]) -> None:
-    llm = LLM(tiny_model_path, num_kv_blocks=1024, block_size=16)
+    llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=1024, block_size=16)
     params = SamplingParams(n=3, temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     first = llm.generate(tiny_prompts[4], params, use_tqdm=False)[0]
     samples = [c.token_ids for c in first.outputs]
@@ -147,7 +147,7 @@ def test_tiny_seeded_samples_reproducible(tiny_model_path: str, tiny_prompts: li
     again = llm.generate(tiny_prompts, [others] * 4 + [params] + [others] * 4, use_tqdm=False)[4]
     assert [c.token_ids for c in again.outputs] == samples
     # And in a fresh engine.
-    fresh = LLM(tiny_model_path, num_kv_blocks=64, block_size=16)
+    fresh = LLM(tiny_model_path, dtype="float32", num_kv_blocks=64, block_size=16)
     assert [
         c.token_ids for c in fresh.generate(tiny_prompts[4], params, use_tqdm=False)[0].outputs
     ] == samples
@@ -160,7 +160,7 @@ def test_tiny_seeded_samples_reproducible(tiny_model_path: str, tiny_prompts: li
 
 @pytest.fixture(scope="module")
 def smollm2_llm(smollm2_path: str) -> LLM:
-    return LLM(smollm2_path, num_kv_blocks=512, block_size=16)
+    return LLM(smollm2_path, dtype="float32", num_kv_blocks=512, block_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,13 @@ def test_smollm2_preemption_and_chunked_prefill(
     smollm2_path: str, smollm2_prompts: list[list[int]], smollm2_reference: list[list[int]]
 ) -> None:
     longest = max(map(len, smollm2_prompts)) + MAX_NEW_TOKENS
-    llm = LLM(smollm2_path, num_kv_blocks=longest // 16 + 4, block_size=16, max_num_batched_tokens=64)
+    llm = LLM(
+        smollm2_path,
+        dtype="float32",
+        num_kv_blocks=longest // 16 + 4,
+        block_size=16,
+        max_num_batched_tokens=64,
+    )
     assert token_ids(llm.generate(smollm2_prompts, GREEDY, use_tqdm=False)) == smollm2_reference
     assert llm.stats.num_preemptions > 0
     assert_pool_drained(llm)
@@ -214,3 +220,37 @@ def test_smollm2_answers_paris(smollm2_llm: LLM) -> None:
     out = smollm2_llm.chat("What is the capital of France?", SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+# -- bf16 against fp32 ----------------------------------------------------------------------------------
+
+# bf16 keeps 8 bits of mantissa: logits move by a few hundredths, so where fp32's top two tokens lie closer
+# than this, bf16 may pick either. A wrong kernel or a lost accumulation moves them by whole nats.
+NEAR_TIE_NATS = 0.5
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_agrees_with_fp32_transformers_up_to_near_ties(
+    smollm2_path: str, smollm2_prompts: list[list[int]]
+) -> None:
+    """Every token greedy bf16 picks is, by transformers' own fp32 logits on the same context, the top token
+    or within NEAR_TIE_NATS of it; and most are the top token exactly."""
+    llm = LLM(smollm2_path, dtype="bfloat16", num_kv_blocks=512, block_size=16)
+    assert llm.engine.kv_cache.kv_cache.dtype == torch.bfloat16
+    outputs = token_ids(llm.generate(smollm2_prompts, GREEDY, use_tqdm=False))
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    exact, gaps = 0, []
+    for prompt, output in zip(smollm2_prompts, outputs, strict=True):
+        assert len(output) == MAX_NEW_TOKENS or output[-1] == llm.get_tokenizer().eos_token_id
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+        logprobs = logits.log_softmax(-1)
+        for position, token in enumerate(output):
+            gap = (logprobs[position].max() - logprobs[position, token]).item()
+            exact += gap == 0
+            if gap > 0:
+                gaps.append((position, token, round(gap, 3), logprobs[position].topk(2).values.tolist()))
+    total = sum(map(len, outputs))
+    assert all(gap < NEAR_TIE_NATS for _, _, gap, _ in gaps), gaps
+    assert exact >= 0.9 * total, (exact, total, gaps)
+    assert_pool_drained(llm)

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from gpu_worker import LLM, EngineConfig, SamplingParams
+from gpu_worker.engine import resolve_dtype
+from gpu_worker.packed_linear import cpu_has_bf16
 from shared.errors import ErrorCode, RequestRejected
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_path: str) -> LLM:
-    return LLM(tiny_model_path, num_kv_blocks=256, block_size=16)
+    return LLM(tiny_model_path, dtype="float32", num_kv_blocks=256, block_size=16)
 
 
 @pytest.fixture(autouse=True)
@@ -118,7 +121,7 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(
 
 
 def test_request_larger_than_the_pool_is_refused(tiny_model_path: str) -> None:
-    small = LLM(tiny_model_path, num_kv_blocks=8, block_size=16)
+    small = LLM(tiny_model_path, dtype="float32", num_kv_blocks=8, block_size=16)
     with pytest.raises(ValueError, match="KV pool"):
         small.generate([[1] * 100], SamplingParams(max_tokens=100), use_tqdm=False)
     # 8 blocks hold 128 tokens: this one fits exactly.
@@ -158,11 +161,32 @@ def test_engine_config_validation() -> None:
 
 def test_kv_pool_sized_from_memory_budget(tiny_model_path: str) -> None:
     # 4 layers x (K, V) x 16 slots x 2 KV heads x 16 dims x 4 bytes = 16 KiB per block
-    llm = LLM(tiny_model_path, kv_cache_memory_bytes=80 * 16384 + 100, block_size=16)
+    llm = LLM(tiny_model_path, dtype="float32", kv_cache_memory_bytes=80 * 16384 + 100, block_size=16)
     assert llm.stats.num_total_blocks == 80
     assert llm.engine.kv_cache.kv_cache.dtype == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         LLM(tiny_model_path, dtype="int8", num_kv_blocks=8)
+
+
+def cpu_flags() -> set[str]:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    lines = cpuinfo.read_text().splitlines()
+    return {flag for line in lines if line.startswith("flags") for flag in line.split()}
+
+
+def test_auto_dtype_is_bf16_exactly_on_cpus_with_bf16_instructions(tiny_model_path: str) -> None:
+    native = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    assert cpu_has_bf16() == native
+    expected = torch.bfloat16 if native else torch.float32
+    assert resolve_dtype("auto", torch.device("cpu")) == resolve_dtype(None, torch.device("cpu")) == expected
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    llm = LLM(tiny_model_path, num_kv_blocks=8)
+    assert llm.engine.kv_cache.kv_cache.dtype == expected
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_chat_applies_the_template(llm: LLM) -> None:

@@ -1,4 +1,4 @@
-"""The CPU linear swap: same outputs as nn.Linear up to summation order, every linear swapped, weights once."""
+"""The CPU linear swap: nn.Linear's outputs up to summation order, every linear swapped, each weight once."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def cache(tokenizer: Any) -> GrammarCache:
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_path: str) -> LLM:
-    return LLM(tiny_model_path, num_kv_blocks=256, block_size=16)
+    return LLM(tiny_model_path, dtype="float32", num_kv_blocks=256, block_size=16)
 
 
 def texts(outputs: list[Any]) -> list[str]:
@@ -258,7 +258,7 @@ def test_preemption_keeps_structured_output(tiny_model_path: str, llm: LLM, opti
     params = SamplingParams(n=2, max_tokens=100, structured=regex(WORDS), **options)
     want = llm.generate(prompts, params, use_tqdm=False)
     # Room for any one request, nowhere near all of them at once.
-    small = LLM(tiny_model_path, num_kv_blocks=20, block_size=16)
+    small = LLM(tiny_model_path, dtype="float32", num_kv_blocks=20, block_size=16)
     got = small.generate(prompts, params, use_tqdm=False)
     assert small.stats.num_preemptions > 0
     assert [c.token_ids for o in got for c in o.outputs] == [c.token_ids for o in want for c in o.outputs]
@@ -333,7 +333,7 @@ QUESTIONS = [
 
 
 def test_smollm2_chat_json_follows_the_schema(smollm2_path: str) -> None:
-    llm = LLM(smollm2_path, num_kv_blocks=512, block_size=16)
+    llm = LLM(smollm2_path, dtype="float32", num_kv_blocks=512, block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=80, structured=json_schema(PERSON))
     outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params, use_tqdm=False)
     assert len(outputs) == 20

@@ -32,7 +32,7 @@ PROMPT = [5, 17, 230, 4000, 77, 12, 9, 301, 45, 46, 47, 48, 1000, 2000, 3000, 40
 
 @pytest.fixture(scope="module")
 def offline(tiny_model_path: str) -> LLM:
-    return LLM(tiny_model_path, num_kv_blocks=128, block_size=16)
+    return LLM(tiny_model_path, dtype="float32", num_kv_blocks=128, block_size=16)
 
 
 @pytest.fixture
