@@ -41,6 +41,7 @@ def worker(tiny_model_path: str, redis_url: str, redis_prefix: str, offline: LLM
         redis_url=redis_url,
         redis_prefix=redis_prefix,
         model=tiny_model_path,
+        dtype="float32",  # as the offline run, token for token
         worker_id="w1",
         num_kv_blocks=64,
     )
