@@ -2,8 +2,8 @@
 
 Each op runs its CUDA kernel (kernels/csrc, built on first use) when its tensors are on a CUDA device, and its
 pure-torch twin from kernels.torch_ops otherwise or where no kernel is compiled for the shape; both share one
-signature. On the CPU, decode attention in float32 and bfloat16 runs a C++ kernel (kernels/csrc/cpu, also built on first
-use) when a compiler is at hand. Callers never import torch_ops or the extensions directly.
+signature. On the CPU, decode attention in float32 and bfloat16 runs a C++ kernel (kernels/csrc/cpu, also
+built on first use) when a compiler is at hand. Callers never import torch_ops or the extensions directly.
 """
 
 from __future__ import annotations
