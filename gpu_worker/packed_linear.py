@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
-    """Whether this CPU's oneDNN multiplies weights of `dtype` (bf16 natively or emulated: see cpu_has_bf16)."""
+    """Whether this CPU's oneDNN multiplies `dtype` weights (bf16 natively or emulated: see cpu_has_bf16)."""
     if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.float32:
