@@ -51,8 +51,8 @@ kernels: $(STAMP)
 	$(PY) -m kernels.build
 
 # pagedserve against vLLM's CPU build on W1-W3, paired (not part of `make test`), in BENCH_DTYPE (float32 or
-# bfloat16). vLLM lives in a venv of its
-# own; its torchvision, torchaudio and torchcodec wheels do not match the torch it brings, and nothing needs them.
+# bfloat16). vLLM lives in a venv of its own; its torchvision, torchaudio and torchcodec wheels do not match
+# the torch it brings, and nothing needs them.
 VLLM_VENV ?= .venv-vllm
 REPEATS ?= 3
 BENCH_DTYPE ?= float32

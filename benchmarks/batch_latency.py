@@ -45,7 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import openai
 from services import Services
-from workloads import percentile, write_json
+from workloads import percentile, save_figure, write_json
 
 from gpu_worker.settings import WorkerSettings
 
@@ -333,9 +333,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     right.set_ylabel("lines")
     right.set_title(f"batch of {results['batch']['lines']} lines: {results['batch']['status']}")
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -404,7 +402,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"keys the services left under their prefix (deleted): {services.keys_left}")
     out, png = Path(args.json), Path(args.plot)
     write_json(results, out)
-    png.parent.mkdir(parents=True, exist_ok=True)
     plot(results, png)
     print(f"wrote {out} and {png}")
     return results

@@ -22,7 +22,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoTokenizer
-from workloads import benchmark_parser
+from workloads import benchmark_parser, save_figure
 
 from gpu_worker import LLMEngine, SamplingParams
 from gpu_worker.config import EngineConfig
@@ -103,9 +103,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("KV blocks saved by sharing (%)")
     ax.set_ylim(0, 100)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -183,7 +181,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(runs, Path(args.plot))
     print(f"wrote {out} and {args.plot}")
     return results

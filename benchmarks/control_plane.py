@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 import redis
 from services import delete_keys
-from workloads import percentile
+from workloads import percentile, save_figure
 
 from shared.keys import Keys
 from shared.protocol import (
@@ -311,8 +311,7 @@ def plot(admission: list[dict[str, Any]], streams: dict[str, Any], path: Path) -
         right.plot(values, [i / len(values) for i in range(len(values))], label=name)
     right.set(xlabel="inter-token latency (ms)", title=f"{streams['streams']} streams")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

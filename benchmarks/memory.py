@@ -21,7 +21,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from workloads import DESCRIPTIONS, benchmark_parser, make_workload
+from workloads import DESCRIPTIONS, benchmark_parser, make_workload, save_figure
 
 from gpu_worker import LLMEngine, SamplingParams
 from gpu_worker.config import EngineConfig
@@ -90,9 +90,7 @@ def plot(samples: list[dict[str, Any]], path: Path) -> None:
     bottom.set_yscale("log")
     bottom.set_xlabel("seconds")
     bottom.legend(loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -172,7 +170,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(samples, Path(args.plot))
     print(f"wrote {out} and {args.plot}")
     return results

@@ -40,6 +40,7 @@ from workloads import (
     matmul_flops_per_s,
     median,
     percentile,
+    save_figure,
 )
 
 from gpu_worker import LLM, LLMEngine, SamplingParams
@@ -320,9 +321,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         budget = f", KV budget {wl['kv_budget_bytes'] / (1 << 20):g} MiB" if "kv_budget_bytes" in wl else ""
         ax.set_title(f"{key}: {wl['num_requests']} requests{budget}", fontsize=9)
         ax.set_xlabel("output tokens/s (median, min-max)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -416,7 +415,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(results, Path(args.plot))
     print(f"wrote {out} and {args.plot}")
     return results

@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from workloads import Workload, benchmark_parser, make_workload
+from workloads import Workload, benchmark_parser, make_workload, save_figure
 
 from gpu_worker import LLMEngine, SamplingParams
 from gpu_worker.step_scheduler import StepSchedule
@@ -101,9 +101,7 @@ def plot(steps: list[tuple[int, float]], fixed: float, per_token: float, path: P
     ax.set_xlabel("tokens in the step")
     ax.set_ylabel("step time (ms)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

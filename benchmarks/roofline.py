@@ -1,6 +1,6 @@
 """The engine's steps against this machine's limits: how far each step is from what memory and matmuls allow.
 
-    .venv/bin/python benchmarks/roofline.py                       # the default model, fp32, ~3 min
+    .venv/bin/python benchmarks/roofline.py                       # the default model, fp32, about 1 min
     .venv/bin/python benchmarks/roofline.py --batches 1 32 --steps 10
 
 Measures, in the same run, this machine's read bandwidth (summing a large fp32 tensor), copy bandwidth (bytes
@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from workloads import ModelShape, benchmark_parser, matmul_flops_per_s, write_json
+from workloads import ModelShape, benchmark_parser, matmul_flops_per_s, save_figure, write_json
 
 from gpu_worker import LLMEngine, SamplingParams
 
@@ -205,9 +205,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ms per step")
     ax.set_title(f"decode steps against this machine's limits ({results['dtype']})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -49,7 +49,7 @@ import openai
 import torch
 from services import Services, worker_blocks
 from transformers import AutoConfig
-from workloads import FIRST_TOKEN_ID, percentile
+from workloads import FIRST_TOKEN_ID, percentile, save_figure
 
 from gpu_worker import LLMEngine, SamplingParams
 from gpu_worker.model_loader import resolve_model_path
@@ -262,9 +262,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for ax in axes:
         ax.set_xticks(x, [r["scenario"] for r in rows], rotation=20)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -339,7 +337,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out, png = Path(args.json), Path(args.plot)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    png.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, png)
     print(f"wrote {out} and {png}")
     return results

@@ -26,7 +26,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from workloads import FIRST_TOKEN_ID, benchmark_parser, median
+from workloads import FIRST_TOKEN_ID, benchmark_parser, median, save_figure
 
 from gpu_worker import LLMEngine, SamplingParams
 from gpu_worker.config import EngineConfig
@@ -137,9 +137,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_xticks(list(x))
         ax.legend()
     fig.suptitle(f"{results['requests']} requests; in 'mixed' every other one follows {results['regex']!r}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from workloads import save_figure, write_json
+
 
 def pagedserve_rate(offline: dict[str, Any], key: str) -> float | None:
     """Median output tokens/s of pagedserve (with prefix caching, on W3) in an offline.py run."""
@@ -52,9 +54,7 @@ def plot(rows: list[dict[str, Any]], version: str, dtype: str, path: Path) -> No
     ax.set_xticks(list(xs), [f"{r['workload']}\n{r['ratio']:.2f}x" for r in rows])
     ax.set_ylabel("output tokens/s")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"{'workload':<10}{'pagedserve tok/s':>18}{'vLLM tok/s':>12}{'ratio':>8}")
     for r in rows:
         print(f"{r['workload']:<10}{r['pagedserve']:>18.1f}{r['vllm']:>12.1f}{r['ratio']:>7.2f}x")
-    summary = {"vllm": vllm["vllm"], "dtype": args.dtype, "rows": rows}
-    Path(args.json).write_text(json.dumps(summary, indent=2))
+    write_json({"vllm": vllm["vllm"], "dtype": args.dtype, "rows": rows}, args.json)
     plot(rows, vllm["vllm"], args.dtype, Path(args.plot))
     print(f"wrote {args.json} and {args.plot}")
     return rows

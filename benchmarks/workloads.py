@@ -166,6 +166,18 @@ def write_json(results: dict[str, Any], path: str | Path) -> Path:
     return out
 
 
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """A matplotlib figure as a PNG at path, its folder made if need be; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def benchmark_parser(doc: str | None, name: str) -> argparse.ArgumentParser:
     """The options every offline benchmark takes; results go to benchmarks/results/<name>.json and .png."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

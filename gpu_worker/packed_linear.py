@@ -3,8 +3,8 @@
 A decode step multiplies a few rows by each weight. The BLAS behind F.linear repacks the weight on every call,
 and with few rows that repacking costs more than the product: the step becomes bound by the GEMM's setup,
 not by memory. oneDNN multiplies against a weight already in its own layout, so each call only streams it.
-On SmolLM2 (2 threads) decode steps run 1.2 to 1.8x faster from 1 to 64 sequences, and prefill a little
-faster (`benchmarks/roofline.py`); the LM head alone 2 to 4.5x (`benchmarks/cpu_kernel_bench.py`).
+On SmolLM2 (2 threads) fp32 decode steps run 1.2 to 1.7x faster from 1 to 64 sequences, and prefill a little
+faster (`benchmarks/roofline.py`); the LM head alone 1.8 to 4x (`benchmarks/cpu_kernel_bench.py`).
 
 Only the summation order changes, as with any BLAS; fp32 greedy output still equals transformers'
 (`tests/test_golden.py`).

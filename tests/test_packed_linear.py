@@ -66,6 +66,9 @@ def test_packed_model_keeps_its_logits_and_one_copy_of_each_weight(tied: bool) -
 
 
 def test_other_devices_and_dtypes_are_left_alone() -> None:
-    model = LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.float16)
-    assert pack_linears(model) == 0
-    assert isinstance(model.get_output_embeddings(), nn.Linear)
+    half = LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.float16)
+    with torch.device("meta"):
+        elsewhere = LlamaForCausalLM(LlamaConfig(**TINY))
+    for model in (half, elsewhere):
+        assert pack_linears(model) == 0
+        assert isinstance(model.get_output_embeddings(), nn.Linear)
