@@ -66,7 +66,7 @@ bench-vllm: $(STAMP) $(VLLM_VENV)/.installed
 	$(PY) benchmarks/offline.py --systems pagedserve --workloads W1 W2 W3 --repeats $(REPEATS) \
 		--dtype $(BENCH_DTYPE) --json benchmarks/results/offline_pagedserve_$(BENCH_DTYPE).json \
 		--plot benchmarks/results/offline_pagedserve_$(BENCH_DTYPE).png
-	model=$$($(PY) -c "from gpu_worker.model_loader import resolve_model_path; print(resolve_model_path(None))"); \
+	model=$$($(PY) -c "from gpu_worker.engine.model_loader import resolve_model_path; print(resolve_model_path(None))"); \
 		VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python benchmarks/vllm_offline.py --model "$$model" \
 		--repeats $(REPEATS) --dtype $(BENCH_DTYPE) --json benchmarks/results/vllm_offline_$(BENCH_DTYPE).json
 	$(PY) benchmarks/vs_vllm.py --dtype $(BENCH_DTYPE)

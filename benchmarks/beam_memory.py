@@ -25,8 +25,8 @@ from transformers import AutoTokenizer
 from workloads import benchmark_parser, save_figure
 
 from gpu_worker import LLMEngine, SamplingParams
-from gpu_worker.config import EngineConfig
-from gpu_worker.model_loader import resolve_model_path
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.model_loader import resolve_model_path
 
 PAPER_SAVED = (0.376, 0.552)
 ARTICLE = (

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from gpu_worker.packed_linear import PackedLinear
-from kernels import torch_ops
+from gpu_worker.engine.packed_linear import PackedLinear
+from kernels import reference
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
 VOCAB, HIDDEN = 49152, 576
@@ -61,7 +61,7 @@ def attention_case(batch: int, context: int, layers: int, repeats: int) -> dict[
 
     def twin() -> None:
         for k, v in caches:
-            torch_ops.paged_attention(out_twin, query, k, v, *meta)
+            reference.paged_attention(out_twin, query, k, v, *meta)
 
     kernel_ms, twin_ms = best_ms(kernel, repeats) / layers, best_ms(twin, repeats) / layers
     torch.testing.assert_close(out_kernel, out_twin, atol=1e-5, rtol=1e-5)

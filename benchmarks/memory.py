@@ -24,8 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from workloads import DESCRIPTIONS, benchmark_parser, make_workload, save_figure
 
 from gpu_worker import LLMEngine, SamplingParams
-from gpu_worker.config import EngineConfig
-from gpu_worker.model_loader import resolve_model_path
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.model_loader import resolve_model_path
 
 
 def contiguous_peak(reservations: list[int], capacity: int) -> int:

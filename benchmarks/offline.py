@@ -44,7 +44,7 @@ from workloads import (
 )
 
 from gpu_worker import LLM, LLMEngine, SamplingParams
-from gpu_worker.model_loader import resolve_model_path
+from gpu_worker.engine.model_loader import resolve_model_path
 
 EQUAL_MEMORY = "W2eq"
 CB_PAGE_SIZE = 32

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 from workloads import Workload
 
 from gpu_worker import LLM, SamplingParams
-from gpu_worker.model_loader import resolve_model_path
+from gpu_worker.engine.model_loader import resolve_model_path
 
 
 def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:

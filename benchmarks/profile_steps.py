@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from workloads import Workload, benchmark_parser, make_workload, save_figure
 
 from gpu_worker import LLMEngine, SamplingParams
-from gpu_worker.step_scheduler import StepSchedule
+from gpu_worker.engine.step_scheduler import StepSchedule
 
 
 def run_steps(engine: LLMEngine, workload: Workload, tag: str) -> list[tuple[int, float]]:

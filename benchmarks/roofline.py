@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
 
     engine = LLMEngine(args.model, device="cpu", dtype=getattr(torch, args.dtype))
-    shape = ModelShape.of(engine.model)
-    weights = weight_bytes(engine.model)
+    shape = ModelShape.of(engine.runner.model)
+    weights = weight_bytes(engine.runner.model)
     cpu = torch.device("cpu")
     limits = {
         "read_bytes_per_s": read_bandwidth(),

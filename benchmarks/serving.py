@@ -52,7 +52,7 @@ from transformers import AutoConfig
 from workloads import FIRST_TOKEN_ID, percentile, save_figure
 
 from gpu_worker import LLMEngine, SamplingParams
-from gpu_worker.model_loader import resolve_model_path
+from gpu_worker.engine.model_loader import resolve_model_path
 from gpu_worker.settings import WorkerSettings, engine_config
 
 TARGETS = {"itl_p99_added_ms": 2.0, "output_throughput_ratio": 0.95}

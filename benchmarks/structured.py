@@ -29,11 +29,11 @@ import torch
 from workloads import FIRST_TOKEN_ID, benchmark_parser, median, save_figure
 
 from gpu_worker import LLMEngine, SamplingParams
-from gpu_worker.config import EngineConfig
-from gpu_worker.engine import SamplerOutput
-from gpu_worker.sampler import Sampler
-from gpu_worker.sequence import Sequence
-from gpu_worker.step_scheduler import StepSchedule
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.llm_engine import SamplerOutput
+from gpu_worker.engine.sampler import Sampler
+from gpu_worker.engine.sequence import Sequence
+from gpu_worker.engine.step_scheduler import StepSchedule
 from shared.protocol import StructuredSpec
 
 # Open: a grammar that can complete (a JSON string's closing quote) would end requests at unequal lengths.

@@ -1,10 +1,19 @@
-"""The worker: paged KV pool, copy-on-write block allocator, continuous batching, and the offline API."""
+"""The worker service (`python -m gpu_worker`): one process per accelerator, fed from its Redis inbox,
+publishing tokens after every step. The engine it runs is the library in gpu_worker.engine, whose offline API
+is re-exported here: `from gpu_worker import LLM, SamplingParams`."""
 
-from gpu_worker.beam_search import BeamSearchParams
-from gpu_worker.config import EngineConfig
-from gpu_worker.engine import EngineStats, LLMEngine
-from gpu_worker.llm import LLM, BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.engine import (
+    LLM,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    CompletionOutput,
+    EngineConfig,
+    EngineStats,
+    LLMEngine,
+    RequestOutput,
+    SamplingParams,
+)
 
 __all__ = [
     "LLM",

@@ -8,7 +8,7 @@ from typing import Any
 
 import pydantic
 
-from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.engine.sampling_params import SamplingParams
 from shared.errors import CodedError, ErrorCode, RequestRejected
 from shared.protocol import Assignment, GenerateRequest, SamplingSpec, decode
 

@@ -7,9 +7,9 @@ import logging
 from dataclasses import dataclass, field
 
 from gpu_worker.assignments import engine_requests
-from gpu_worker.engine import LLMEngine
+from gpu_worker.engine.llm_engine import LLMEngine
+from gpu_worker.engine.sequence import Sequence
 from gpu_worker.outbox import Outbox
-from gpu_worker.sequence import Sequence
 from shared.errors import CodedError, ErrorCode
 from shared.keys import Keys
 from shared.protocol import GenerateRequest, RequestTimings, TokenEvent, TokenLogprob, WireError

@@ -13,7 +13,7 @@ import pydantic
 import redis
 
 from gpu_worker.assignments import read_assignment, salvage_request
-from gpu_worker.engine import LLMEngine
+from gpu_worker.engine.llm_engine import LLMEngine
 from gpu_worker.outbox import Outbox
 from gpu_worker.request_table import ActiveRequest, RequestTable
 from gpu_worker.settings import WorkerSettings, engine_config

@@ -12,7 +12,7 @@ import socket
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from gpu_worker.config import EngineConfig
+from gpu_worker.engine.config import EngineConfig
 from shared.settings import CommonSettings
 
 

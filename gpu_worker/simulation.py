@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.engine import LLMEngine
-from gpu_worker.sampler import Sampler
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.llm_engine import LLMEngine
+from gpu_worker.engine.step_scheduler import StepSchedule
 from gpu_worker.service import WorkerService
 from gpu_worker.settings import WorkerSettings, engine_config
-from gpu_worker.step_scheduler import StepSchedule
 
 VOCAB_SIZE = 4096
 MAX_MODEL_LEN = 8192
@@ -46,11 +45,19 @@ class StepTime:
 
 
 class SimulatedRunner:
-    """Waits out the step's time and returns logits that make one token certain at each position."""
+    """Waits out the step's time and returns logits that make one token certain at each position. It has no
+    tokenizer and no end-of-sequence token: requests end at max_tokens (or a stop token id)."""
 
-    def __init__(self, step_time: StepTime, vocab_size: int) -> None:
+    device = torch.device("cpu")
+    dtype = torch.float32
+    tokenizer = None
+
+    def __init__(self, step_time: StepTime, config: EngineConfig, vocab_size: int = VOCAB_SIZE) -> None:
         self.step_time = step_time
         self.vocab_size = vocab_size
+        self.num_blocks = config.num_kv_blocks or DEFAULT_NUM_BLOCKS
+        self.max_model_len = config.max_model_len or MAX_MODEL_LEN
+        self.eos_token_ids: set[int] = set()
 
     def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor:
         time.sleep(self.step_time.of(out.num_batched_tokens))
@@ -67,20 +74,9 @@ def next_token(first_prompt_token: int, position: int, vocab_size: int = VOCAB_S
     return (first_prompt_token * 31 + position * 7919) % vocab_size
 
 
-class SimulatedEngine(LLMEngine):
+def simulated_engine(config: EngineConfig, step_time: StepTime, *, vocab_size: int = VOCAB_SIZE) -> LLMEngine:
     """The engine with a step-time model for a model: real scheduling, blocks and sampling, no weights."""
-
-    def __init__(self, config: EngineConfig, step_time: StepTime, *, vocab_size: int = VOCAB_SIZE) -> None:
-        self.device = torch.device("cpu")
-        self.dtype = torch.float32
-        self._setup(
-            config,
-            config.num_kv_blocks or DEFAULT_NUM_BLOCKS,
-            SimulatedRunner(step_time, vocab_size),
-            Sampler(set()),  # no end-of-sequence token: requests end at max_tokens (or a stop token id)
-            max_model_len=config.max_model_len or MAX_MODEL_LEN,
-            vocab_size=vocab_size,
-        )
+    return LLMEngine(config=config, runner=SimulatedRunner(step_time, config, vocab_size))
 
 
 class SimulatedWorkers:
@@ -90,7 +86,7 @@ class SimulatedWorkers:
         self.services = [
             WorkerService(
                 settings.model_copy(update={"worker_id": f"{name_prefix}-{i}"}),
-                engine=SimulatedEngine(engine_config(settings), step_time),
+                engine=simulated_engine(engine_config(settings), step_time),
             )
             for i in range(count)
         ]

@@ -1,9 +1,9 @@
 """Paged KV-cache ops: the single import point the model runner uses.
 
 Each op runs its CUDA kernel (kernels/csrc, built on first use) when its tensors are on a CUDA device, and its
-pure-torch twin from kernels.torch_ops otherwise or where no kernel is compiled for the shape; both share one
+pure-torch twin from kernels.reference otherwise or where no kernel is compiled for the shape; both share one
 signature. On the CPU, decode attention in float32 and bfloat16 runs a C++ kernel (kernels/csrc/cpu, also
-built on first use) when a compiler is at hand. Callers never import torch_ops or the extensions directly.
+built on first use) when a compiler is at hand. Callers never import reference or the extensions directly.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kernels import torch_ops
+from kernels import reference
 
 __all__ = ["copy_blocks", "load", "paged_attention", "write_kv_cache"]
 
@@ -63,7 +63,7 @@ def write_kv_cache(
     """Write each token's K/V into its cache slot, skipping tokens whose slot is -1."""
     ops = _cuda_ops(k_cache)
     if ops is None or key.stride(-1) != 1 or value.stride(-1) != 1:
-        torch_ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
         return
     ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping.long())
 
@@ -82,13 +82,13 @@ def paged_attention(
     args = (out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
     decode = _decode_kernel(out, query, k_cache, block_table)
     if decode is None:
-        torch_ops.paged_attention(*args)
+        reference.paged_attention(*args)
         return
     # The kernel takes the decodes and skips every sequence with more than one query token.
     decode(*args)
     # With one token per sequence there are no prefill chunks: known from shapes, without reading the device.
     if query.shape[0] != seq_lens.shape[0]:
-        torch_ops.prefill_attention(*args)
+        reference.prefill_attention(*args)
 
 
 def _decode_kernel(out: Tensor, query: Tensor, k_cache: Tensor, block_table: Tensor) -> Any | None:
@@ -112,6 +112,6 @@ def copy_blocks(
     """Copy block src to block dst for K and V in every layer (copy-on-write)."""
     ops = _cuda_ops(kv_cache)
     if ops is None or block_mapping.numel() == 0:
-        torch_ops.copy_blocks(kv_cache, block_mapping)
+        reference.copy_blocks(kv_cache, block_mapping)
         return
     ops.copy_blocks(kv_cache, block_mapping.to(device=kv_cache.device, dtype=torch.long))

@@ -64,7 +64,7 @@ if ! redis_answers; then
 fi
 
 # De-quantize the model once, before several processes would each start doing it.
-"$PY" -c "import os; from gpu_worker.model_loader import resolve_model_path; resolve_model_path(os.environ.get('MODEL'))"
+"$PY" -c "import os; from gpu_worker.engine.model_loader import resolve_model_path; resolve_model_path(os.environ.get('MODEL'))"
 
 supervise scheduler "$PY" -m scheduler_svc & pids+=($!)
 for i in $(seq "$WORKERS"); do supervise "worker $i" "$PY" -m gpu_worker & pids+=($!); done

@@ -2,8 +2,8 @@
 
 The gateway needs only the tokenizer and the context length. For a GGUF file they are read from its metadata
 here (the `gguf` package reads it with numpy) into a tokenizer folder. De-quantizing the weights needs torch
-and is the worker's job (gpu_worker.model_loader), into `converted_folder(path)`. Both folders live under
-`cache_root()` and are keyed by the GGUF file's path, size and modification time.
+and is the engine's job (gpu_worker.engine.model_loader), into `converted_folder(path)`. Both folders live
+under `cache_root()` and are keyed by the GGUF file's path, size and modification time.
 
 `python -m shared.model_files [MODEL]` builds the tokenizer folder ahead of time and prints where it is.
 """

@@ -18,7 +18,7 @@ import redis
 from cluster import free_port, start_redis_server
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from gpu_worker.model_loader import resolve_model_path
+from gpu_worker.engine.model_loader import resolve_model_path
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
 from shared.keys import Keys

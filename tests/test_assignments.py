@@ -13,7 +13,7 @@ from gateway.prepare import prepare_chat, prepare_completion
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
 from gateway.tokenization import Tokenizer, load_tokenizer
 from gpu_worker.assignments import engine_requests, read_assignment, salvage_request, sampling_params
-from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.engine.sampling_params import SamplingParams
 from shared.errors import CodedError, ErrorCode, RequestRejected
 from shared.protocol import Assignment, GenerateRequest, SamplingSpec, StructuredSpec, encode
 

@@ -1,4 +1,4 @@
-"""Tests for gpu_worker.block_allocator.BlockAllocator."""
+"""Tests for gpu_worker.engine.block_allocator.BlockAllocator."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from gpu_worker import block_allocator as ba
-from gpu_worker.block_allocator import BlockAllocator
+from gpu_worker.engine.block_allocator import BlockAllocator
 
 BS = 4
 

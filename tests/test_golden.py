@@ -236,7 +236,7 @@ def test_smollm2_bf16_agrees_with_fp32_transformers_up_to_near_ties(
     """Every token greedy bf16 picks is, by transformers' own fp32 logits on the same context, the top token
     or within NEAR_TIE_NATS of it; and most are the top token exactly."""
     llm = LLM(smollm2_path, dtype="bfloat16", num_kv_blocks=512, block_size=16)
-    assert llm.engine.kv_cache.kv_cache.dtype == torch.bfloat16
+    assert llm.engine.runner.kv_cache.kv_cache.dtype == torch.bfloat16
     outputs = token_ids(llm.generate(smollm2_prompts, GREEDY, use_tqdm=False))
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     exact, gaps = 0, []

@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import kernels
-from kernels import copy_blocks, paged_attention, torch_ops, write_kv_cache
+from kernels import copy_blocks, paged_attention, reference, write_kv_cache
 from kernels.build import load_cpu_extension
 
 HEADS = [(4, 4), (9, 3), (8, 2)]  # (num_heads, num_kv_heads): GQA ratios 1, 3, 4
 
 
-TWIN_DECODE = torch_ops._decode_batch
+TWIN_DECODE = reference._decode_batch
 
 
 @pytest.fixture(autouse=True, params=["torch", "cpu-kernel"])
@@ -36,7 +36,7 @@ def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
             raise AssertionError("float32 and bfloat16 decodes on the CPU must run in the C++ kernel")
 
         # float16 stays on the twin; float32 and bfloat16 decodes must never reach it.
-        monkeypatch.setattr(torch_ops, "_decode_batch", no_twin)
+        monkeypatch.setattr(reference, "_decode_batch", no_twin)
     return str(request.param)
 
 
@@ -208,7 +208,7 @@ def test_half_precision(dtype: torch.dtype, atol: float, monkeypatch: pytest.Mon
     """The ops run in the input dtype; results stay close to the float64 reference. bfloat16 decodes run in
     the C++ kernel (reading bf16, accumulating in fp32); float16 stays on the twin."""
     if dtype == torch.float16:
-        monkeypatch.setattr(torch_ops, "_decode_batch", TWIN_DECODE)
+        monkeypatch.setattr(reference, "_decode_batch", TWIN_DECODE)
     batch = make_batch(mixed_specs(16, 3), 9, 3, 64, 16, seed=3, dtype=dtype)
     run_and_check(batch, 64**-0.5, atol=atol, rtol=2e-2)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import torch_ops
+from kernels import reference
 from kernels.build import build, load_extension
 from tests.test_kernels import make_batch, mixed_specs
 
@@ -82,11 +82,11 @@ def make_decode_batch(
     )
 
 
-def reference(batch: DecodeBatch, scale: float) -> torch.Tensor:
+def twin_output(batch: DecodeBatch, scale: float) -> torch.Tensor:
     """The torch twin in fp32 on the same (already rounded) inputs."""
     q, k, v = (t.float() for t in (batch.query, batch.k_cache, batch.v_cache))
     out = torch.empty_like(q)
-    torch_ops.paged_attention(out, q, k, v, batch.block_table, batch.seq_lens, batch.query_start_loc, scale)
+    reference.paged_attention(out, q, k, v, batch.block_table, batch.seq_lens, batch.query_start_loc, scale)
     return out
 
 
@@ -95,7 +95,7 @@ def check_decode(ops: Any, batch: DecodeBatch, split: int) -> None:
     out = torch.full_like(batch.query, float("nan"))
     ops.paged_attention_decode(out, *batch.args(scale), split)
     tol = TOLERANCE[batch.query.dtype]
-    torch.testing.assert_close(out.float(), reference(batch, scale), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), twin_output(batch, scale), atol=tol, rtol=tol)
 
 
 def decode_grid() -> list[Any]:
@@ -164,7 +164,7 @@ def test_strided_query_and_out(ops: Any) -> None:
     for split in (0, 1):
         out = torch.empty_like(strided)
         ops.paged_attention_decode(out, *batch.args(0.1), split)
-        torch.testing.assert_close(out.float(), reference(batch, 0.1), atol=1.6e-2, rtol=1.6e-2)
+        torch.testing.assert_close(out.float(), twin_output(batch, 0.1), atol=1.6e-2, rtol=1.6e-2)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
@@ -179,7 +179,7 @@ def test_mixed_batch_dispatch(block_size: int, num_heads: int, num_kv_heads: int
             batch.query_start_loc.cuda(), 0.125)  # fmt: skip
     out, expected = torch.full_like(args[0], float("nan")), torch.full_like(args[0], float("nan"))
     kernels.paged_attention(out, *args)
-    torch_ops.paged_attention(expected, *args)
+    reference.paged_attention(expected, *args)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -195,7 +195,7 @@ def test_write_kv_cache_matches_twin(ops: Any, dtype: torch.dtype, head_size: in
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[torch.tensor([0, 7, 8, 39])] = -1
     expected = pool.clone()
-    torch_ops.write_kv_cache(key, value, expected[1, 0], expected[1, 1], slots.cuda())
+    reference.write_kv_cache(key, value, expected[1, 0], expected[1, 1], slots.cuda())
     ops.write_kv_cache(key, value, pool[1, 0], pool[1, 1], slots.cuda())
     assert torch.equal(pool, expected)
     kernels.write_kv_cache(key[:0], value[:0], pool[0, 0], pool[0, 1], slots[:0].cuda())  # no tokens
@@ -208,7 +208,7 @@ def test_copy_blocks_matches_twin(ops: Any, dtype: torch.dtype) -> None:
     pool = torch.randn(3, 2, 20, 16, 2, 128, generator=gen).to(dtype).cuda()
     mapping = torch.tensor([[1, 7], [4, 2], [1, 9], [19, 0]], dtype=torch.int64).cuda()
     expected = pool.clone()
-    torch_ops.copy_blocks(expected, mapping)
+    reference.copy_blocks(expected, mapping)
     ops.copy_blocks(pool, mapping)
     assert torch.equal(pool, expected)
     kernels.copy_blocks(pool, torch.empty(0, 2, dtype=torch.int64).cuda())

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gpu_worker import LLM, EngineConfig, SamplingParams
-from gpu_worker.engine import resolve_dtype
-from gpu_worker.packed_linear import cpu_has_bf16
+from gpu_worker.engine.model_loader import resolve_dtype
+from gpu_worker.engine.packed_linear import cpu_has_bf16
 from shared.errors import ErrorCode, RequestRejected
 
 
@@ -163,7 +163,7 @@ def test_kv_pool_sized_from_memory_budget(tiny_model_path: str) -> None:
     # 4 layers x (K, V) x 16 slots x 2 KV heads x 16 dims x 4 bytes = 16 KiB per block
     llm = LLM(tiny_model_path, dtype="float32", kv_cache_memory_bytes=80 * 16384 + 100, block_size=16)
     assert llm.stats.num_total_blocks == 80
-    assert llm.engine.kv_cache.kv_cache.dtype == torch.float32
+    assert llm.engine.runner.kv_cache.kv_cache.dtype == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         LLM(tiny_model_path, dtype="int8", num_kv_blocks=8)
 
@@ -183,7 +183,7 @@ def test_auto_dtype_is_bf16_exactly_on_cpus_with_bf16_instructions(tiny_model_pa
     assert resolve_dtype("auto", torch.device("cpu")) == resolve_dtype(None, torch.device("cpu")) == expected
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     llm = LLM(tiny_model_path, num_kv_blocks=8)
-    assert llm.engine.kv_cache.kv_cache.dtype == expected
+    assert llm.engine.runner.kv_cache.kv_cache.dtype == expected
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

@@ -8,7 +8,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gpu_worker import LLM
-from gpu_worker.packed_linear import PackedLinear, pack_linears, packing_supported
+from gpu_worker.engine.packed_linear import PackedLinear, pack_linears, packing_supported
 
 TINY = dict(
     vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -41,7 +41,7 @@ def test_matches_linear_in_bf16() -> None:
 
 def test_engine_packs_every_linear(tiny_model_path: str) -> None:
     llm = LLM(tiny_model_path, num_kv_blocks=64)
-    model = llm.engine.model
+    model = llm.engine.runner.model
     assert isinstance(model.get_output_embeddings(), PackedLinear)
     assert not [name for name, m in model.named_modules() if type(m) is nn.Linear]
     layer = model.model.layers[0]

@@ -1,4 +1,4 @@
-"""Tests for gpu_worker.sampler.Sampler and gpu_worker.sampling_params.SamplingParams (no model)."""
+"""gpu_worker.engine.sampler.Sampler and gpu_worker.engine.sampling_params.SamplingParams (no model)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import Sequence as Seq
 import pytest
 import torch
 
-from gpu_worker.sampler import Sampler, SamplerOutput, _truncate_top_k_top_p, draw_seed
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.sequence import Sequence
+from gpu_worker.engine.sampler import Sampler, SamplerOutput, _truncate_top_k_top_p, draw_seed
+from gpu_worker.engine.sampling_params import SamplingParams
+from gpu_worker.engine.sequence import Sequence
 
 VOCAB = 50
 EOS = 49

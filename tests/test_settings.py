@@ -11,7 +11,7 @@ import yaml
 
 from gateway.batch.settings import BatchSettings
 from gateway.settings import GatewaySettings
-from gpu_worker.config import EngineConfig
+from gpu_worker.engine.config import EngineConfig
 from gpu_worker.settings import WorkerSettings, engine_config
 from scheduler_svc.settings import SchedulerSettings
 from shared.settings import CommonSettings, parse_settings

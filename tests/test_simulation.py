@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.sampling_params import SamplingParams
 from gpu_worker.settings import WorkerSettings
-from gpu_worker.simulation import SimulatedEngine, SimulatedWorkers, StepTime, next_token
+from gpu_worker.simulation import SimulatedWorkers, StepTime, next_token, simulated_engine
 from shared.keys import Keys
 from shared.protocol import GenerateRequest, SamplingSpec, encode
 from shared.records import parse_ends, parse_tokens
@@ -32,7 +32,7 @@ def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def test_the_simulated_engine_schedules_for_real_and_frees_every_block() -> None:
-    engine = SimulatedEngine(EngineConfig(num_kv_blocks=64, block_size=16), FAST)
+    engine = simulated_engine(EngineConfig(num_kv_blocks=64, block_size=16), FAST)
     prompts = {f"r{i}": [i + 1] * (10 + 7 * i) for i in range(6)}
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=20))

@@ -1,4 +1,4 @@
-"""Tests for gpu_worker.step_scheduler.StepScheduler, driven with a BlockAllocator and a fake model."""
+"""Tests for gpu_worker.engine.step_scheduler.StepScheduler, driven with a BlockAllocator and a fake model."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.block_allocator import BlockAllocator
-from gpu_worker.config import EngineConfig
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.sequence import Sequence, SequenceStatus
-from gpu_worker.step_scheduler import StepSchedule, StepScheduler
+from gpu_worker.engine.block_allocator import BlockAllocator
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.sampling_params import SamplingParams
+from gpu_worker.engine.sequence import Sequence, SequenceStatus
+from gpu_worker.engine.step_scheduler import StepSchedule, StepScheduler
 
 BS = 8
 

@@ -12,9 +12,14 @@ import torch
 from transformers import AutoTokenizer
 
 from gpu_worker import LLM, SamplingParams
-from gpu_worker.sampler import Sampler
-from gpu_worker.sequence import Sequence
-from gpu_worker.structured_output import GrammarCache, TokenBitmask, apply_grammars, apply_token_bitmask
+from gpu_worker.engine.sampler import Sampler
+from gpu_worker.engine.sequence import Sequence
+from gpu_worker.engine.structured_output import (
+    GrammarCache,
+    TokenBitmask,
+    apply_grammars,
+    apply_token_bitmask,
+)
 from shared.errors import ErrorCode, RequestRejected
 from shared.protocol import StructuredSpec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import kernels
-from gpu_worker.config import EngineConfig
+from gpu_worker.engine.config import EngineConfig
 
 
 class KVCache:

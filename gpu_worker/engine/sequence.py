@@ -7,7 +7,7 @@ import time
 
 from llguidance import LLMatcher
 
-from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

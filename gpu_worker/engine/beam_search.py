@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.sequence import Sequence, SequenceStatus
-from gpu_worker.step_scheduler import StepScheduler
+from gpu_worker.engine.sampling_params import SamplingParams
+from gpu_worker.engine.sequence import Sequence, SequenceStatus
+from gpu_worker.engine.step_scheduler import StepScheduler
 from shared.errors import ErrorCode, RequestRejected
 from shared.protocol import beam_search_refusals
 

@@ -6,9 +6,9 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from gpu_worker.block_allocator import BlockAllocator
-from gpu_worker.config import EngineConfig
-from gpu_worker.sequence import Sequence, SequenceStatus
+from gpu_worker.engine.block_allocator import BlockAllocator
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

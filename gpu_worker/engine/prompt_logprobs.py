@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.step_scheduler import StepSchedule
+from gpu_worker.engine.step_scheduler import StepSchedule
 
 
 def prompt_logit_spans(out: StepSchedule) -> list[tuple[int, int, int]]:

@@ -2,25 +2,86 @@
 
 from __future__ import annotations
 
-import torch
-from transformers import PreTrainedModel
+from typing import Any, Protocol
 
-from gpu_worker.attention import AttentionMetadata
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.packed_linear import pack_linears
-from gpu_worker.step_scheduler import StepSchedule
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+import kernels
+from gpu_worker.engine.attention import AttentionMetadata
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.kv_cache import KVCache
+from gpu_worker.engine.model_loader import load_model, resolve_device, resolve_dtype
+from gpu_worker.engine.packed_linear import pack_linears
+from gpu_worker.engine.step_scheduler import StepSchedule
+
+
+class StepRunner(Protocol):
+    """What runs an engine's steps: a ModelRunner, or the simulator's step-time model (gpu_worker.simulation).
+    The engine sizes its block allocator, sampler and limits from it."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_blocks: int  # KV blocks in the pool
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: set[int]
+    tokenizer: Any  # None when there is no model (structured outputs are then refused)
+
+    def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor:
+        """Logits for the rows that sample, then for out.prompt_logit_spans."""
+        ...
 
 
 class ModelRunner:
     """One forward per step over all scheduled tokens, no padding; logits only where a token is sampled
     (and at the prompt positions of sequences that asked for prompt logprobs)."""
 
-    def __init__(self, model: PreTrainedModel, kv_cache: KVCache) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        kv_cache: KVCache,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
         pack_linears(model)
         self.model = model
         self.kv_cache = kv_cache
+        self.tokenizer = tokenizer
         self.block_size = kv_cache.block_size
+        self.num_blocks = kv_cache.num_blocks
         self.device = kv_cache.kv_cache.device
+        self.dtype = kv_cache.kv_cache.dtype
+        mc = model.config
+        self.vocab_size: int = mc.vocab_size
+        self.max_model_len: int = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+
+    @classmethod
+    def load(
+        cls,
+        model: str | None,
+        config: EngineConfig,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> ModelRunner:
+        """model (default: SmolLM2-135M-Instruct) in dtype on device, over a KV pool sized by config."""
+        torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, torch_device)
+        hf_model, tokenizer = load_model(model, torch_dtype, torch_device)
+        # A first build of the kernels takes a while; done here, it never stalls a step (or a heartbeat).
+        kernels.load(torch_device, torch_dtype)
+        mc = hf_model.config
+        num_kv_heads = mc.num_key_value_heads
+        head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        bs = config.block_size
+        block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, bs, num_kv_heads, head_size, torch_dtype)
+        num_blocks = KVCache.num_blocks_for(config, block_bytes, torch_device)
+        kv_cache = KVCache(
+            mc.num_hidden_layers, num_blocks, bs, num_kv_heads, head_size, torch_dtype, torch_device
+        )
+        return cls(hf_model, kv_cache, tokenizer, config.max_model_len)
 
     @torch.inference_mode()
     def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor:
@@ -77,3 +138,10 @@ class ModelRunner:
             query_start_loc=query_start_loc,
         )
         return meta, positions
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])

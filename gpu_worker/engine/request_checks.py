@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_worker.beam_search import validate_beam_search
-from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.engine.beam_search import validate_beam_search
+from gpu_worker.engine.sampling_params import SamplingParams
 from shared.errors import ErrorCode, RequestRejected
 
 

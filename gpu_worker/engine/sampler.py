@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.sequence import Sequence
-from gpu_worker.structured_output import TokenBitmask, apply_grammars
+from gpu_worker.engine.sequence import Sequence
+from gpu_worker.engine.structured_output import TokenBitmask, apply_grammars
 
 
 @dataclass(slots=True)

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from gpu_worker.attention import ATTENTION_NAME
+from gpu_worker.engine.attention import ATTENTION_NAME
+from gpu_worker.engine.packed_linear import cpu_has_bf16
 from shared.model_files import converted_folder, is_gguf, model_source, publish_folder, write_tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,29 @@ def _convert_gguf(gguf_path: Path, folder: Path) -> None:
     model.hf_quantizer = None  # type: ignore[assignment]
     model.is_quantized = False  # type: ignore[assignment]
     model.save_pretrained(folder)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on a GPU and on a CPU with bf16 instructions (weights, KV cache and matmuls in bf16,
+    accumulated in fp32), else float32."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype) or resolved not in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+    ):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    return resolved
 
 
 def resolve_model_path(model: str | None) -> str:

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from gpu_worker.beam_search import BeamSearchParams
-from gpu_worker.config import EngineConfig
-from gpu_worker.engine import EngineStats, LLMEngine
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.sequence import Sequence
+from gpu_worker.engine.beam_search import BeamSearchParams
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.llm_engine import EngineStats, LLMEngine
+from gpu_worker.engine.sampling_params import SamplingParams
+from gpu_worker.engine.sequence import Sequence
 
 Prompt = str | list[int]
 Message = dict[str, str]

@@ -5,56 +5,23 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from typing import Protocol
+from typing import Any
 
 import torch
 from llguidance import LLMatcher
 
-import kernels
-from gpu_worker.beam_search import BeamSearch, beam_candidates
-from gpu_worker.block_allocator import BlockAllocator
-from gpu_worker.config import EngineConfig
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.model_loader import load_model
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.packed_linear import cpu_has_bf16
-from gpu_worker.prompt_logprobs import prompt_logit_spans, record_prompt_logprobs
-from gpu_worker.request_checks import EngineLimits, check_request
-from gpu_worker.sampler import Sampler, SamplerOutput
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.sequence import Sequence
-from gpu_worker.step_metrics import EngineStats, IterationTokens
-from gpu_worker.step_scheduler import StepSchedule, StepScheduler
-from gpu_worker.structured_output import GrammarCache, advance
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 on a GPU and on a CPU with bf16 instructions (weights, KV cache and matmuls in bf16,
-    accumulated in fp32), else float32."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, dtype, None)
-    if not isinstance(resolved, torch.dtype) or resolved not in (
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-    ):
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
-    return resolved
-
-
-class StepRunner(Protocol):
-    """Runs one step's forward pass: logits for the rows that sample, then for out.prompt_logit_spans."""
-
-    def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor: ...
+from gpu_worker.engine.beam_search import BeamSearch, beam_candidates
+from gpu_worker.engine.block_allocator import BlockAllocator
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.model_runner import ModelRunner, StepRunner
+from gpu_worker.engine.prompt_logprobs import prompt_logit_spans, record_prompt_logprobs
+from gpu_worker.engine.request_checks import EngineLimits, check_request
+from gpu_worker.engine.sampler import Sampler, SamplerOutput
+from gpu_worker.engine.sampling_params import SamplingParams
+from gpu_worker.engine.sequence import Sequence
+from gpu_worker.engine.step_metrics import EngineStats, IterationTokens
+from gpu_worker.engine.step_scheduler import StepSchedule, StepScheduler
+from gpu_worker.engine.structured_output import GrammarCache, advance
 
 
 class LLMEngine:
@@ -67,49 +34,22 @@ class LLMEngine:
         *,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
+        runner: StepRunner | None = None,
     ) -> None:
+        """An engine over model (default: SmolLM2-135M-Instruct) loaded in dtype on device, or over runner,
+        which then decides the model, the device and the pool (the simulator's step-time model)."""
         config = config or EngineConfig()
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.model, self.tokenizer = load_model(model, self.dtype, self.device)
-        # A first build of the kernels takes a while; done here, it never stalls a step (or a heartbeat).
-        self.compiled_kernels = kernels.load(self.device, self.dtype)
-        mc = self.model.config
-        num_kv_heads = mc.num_key_value_heads
-        head_size = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        bs = config.block_size
-        block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, bs, num_kv_heads, head_size, self.dtype)
-        num_blocks = KVCache.num_blocks_for(config, block_bytes, self.device)
-        self.kv_cache = KVCache(
-            mc.num_hidden_layers, num_blocks, bs, num_kv_heads, head_size, self.dtype, self.device
-        )
-        self._setup(
-            config,
-            num_blocks,
-            ModelRunner(self.model, self.kv_cache),
-            Sampler(self._eos_token_ids()),
-            max_model_len=min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings),
-            vocab_size=mc.vocab_size,
-        )
-
-    def _setup(
-        self,
-        config: EngineConfig,
-        num_blocks: int,
-        runner: StepRunner,
-        sampler: Sampler,
-        *,
-        max_model_len: int,
-        vocab_size: int,
-    ) -> None:
-        """What every engine holds, whatever runs its steps (a model, or a step-time model in simulation)."""
+        self.runner = runner or ModelRunner.load(model, config, dtype=dtype, device=device)
+        self.device, self.dtype = self.runner.device, self.runner.dtype
+        self.tokenizer: Any = self.runner.tokenizer  # None under a runner with no model
         self.config = config
-        self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.allocator = BlockAllocator(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.step_scheduler = StepScheduler(config, self.allocator)
-        self.runner = runner
-        self.sampler = sampler
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
+        self.sampler = Sampler(self.runner.eos_token_ids)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.vocab_size
         self.requests: dict[str, list[Sequence]] = {}
         self.beam_searches: dict[str, BeamSearch] = {}
         self._seq_ids = itertools.count()
@@ -117,12 +57,6 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.iteration_tokens = IterationTokens()
         self._grammars: GrammarCache | None = None  # built at the first structured request
-
-    def _eos_token_ids(self) -> set[int]:
-        eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     # -- requests ---------------------------------------------------------------------------------------
 
@@ -175,8 +109,7 @@ class LLMEngine:
     def _structured_matcher(self, params: SamplingParams, prompt: list[int], num_resumed: int) -> LLMatcher:
         assert params.structured is not None
         if self._grammars is None:  # a simulated engine has no tokenizer: GrammarCache rejects the request
-            tokenizer = getattr(self, "tokenizer", None)
-            self._grammars = GrammarCache(tokenizer, self.vocab_size, self.sampler.eos_token_ids)
+            self._grammars = GrammarCache(self.tokenizer, self.vocab_size, self.sampler.eos_token_ids)
         return self._grammars.matcher(params.structured, prompt, num_resumed)
 
     def _sample_seed(self, params: SamplingParams, index: int) -> int | None:
