@@ -1,11 +1,13 @@
 """The Flask application: OpenAI's completions and chat completions, tokenization, health and metrics (and
-the Batch API's routes, from gateway.batch.api)."""
+the Batch API's routes, from gateway.batch_api)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import logging
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,19 +17,21 @@ import redis
 from flask import Flask, Response, jsonify, request
 
 from gateway import metrics, openapi
-from gateway.attachments import Attachments
 from gateway.backpressure import check_backpressure
-from gateway.batch.api import BatchAPI
+from gateway.batch_api import BatchAPI
 from gateway.cors import Cors
-from gateway.errors import APIError, bad_request, install_error_handlers
-from gateway.event_hub import EventHub
-from gateway.generation import ClientDisconnected, Generation, Limits, peer_closed
-from gateway.prepare import Prepared, check_model, prepare_chat
-from gateway.prompt_batch import PromptBatch, prepare_prompts
+from gateway.errors import install_error_handlers
 from gateway.request_body import bearer_token, ignored_fields_header, json_body, parse_body, validate
-from gateway.responses import ResponseFormat
-from gateway.resume import check_cursor, load_request, parse_event_id
-from gateway.schemas import (
+from gateway.request_metrics import RequestMetrics
+from gateway.serving.attachments import Attachments
+from gateway.serving.errors import APIError, bad_request
+from gateway.serving.event_hub import EventHub
+from gateway.serving.generation import ClientDisconnected, Generation, Limits
+from gateway.serving.prepare import Prepared, check_model, prepare_chat
+from gateway.serving.prompt_batch import PromptBatch, prepare_prompts
+from gateway.serving.responses import ResponseFormat
+from gateway.serving.resume import check_cursor, load_request, parse_event_id
+from gateway.serving.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -35,11 +39,11 @@ from gateway.schemas import (
     TokenizeCompletionRequest,
     conversation,
 )
+from gateway.serving.token_receiver import GenerationError
+from gateway.serving.tokenization import load_tokenizer
+from gateway.serving.worker_watch import WorkerWatch
 from gateway.settings import GatewaySettings
 from gateway.sse import batch_event_stream, event_stream
-from gateway.token_receiver import GenerationError
-from gateway.tokenization import load_tokenizer
-from gateway.worker_watch import WorkerWatch
 from shared.errors import ErrorCode
 from shared.redis_client import connect
 from shared.registry import WorkerRegistry
@@ -174,7 +178,7 @@ class Gateway:
         return self._respond(generation)
 
     def _generate_batch(self, prepared: list[Prepared], arrived: float) -> Response:
-        """Several prompts: each queued as a request of its own (gateway.prompt_batch), answered as one."""
+        """Several prompts: each queued as a request of its own (serving.prompt_batch), answered as one."""
         settings = self.settings
         check_backpressure(
             self.registry, settings.max_queue_len, settings.heartbeat_ttl_s, num_requests=len(prepared)
@@ -204,7 +208,6 @@ class Gateway:
             self.keys,
             self.tokenizer,
             prepared,
-            model_name=self.model_name,
             limits=self.limits,
             hub=self.hub,
             watch=self.watch,
@@ -212,6 +215,7 @@ class Gateway:
             arrived=arrived,
             is_disconnected=peer_closed(request.environ),
             wakeup=wakeup,
+            observer=RequestMetrics(self.model_name, arrived, prepared.request.sampling.n),
         )
 
     def _respond(self, generation: Generation) -> Response:
@@ -297,6 +301,25 @@ class Gateway:
 
     def version(self) -> Response:
         return jsonify({"version": openapi.VERSION})
+
+
+def peer_closed(environ: dict[str, Any]) -> Callable[[], bool]:
+    """Whether the client has closed its connection: it is readable and reading would give end-of-file.
+
+    gunicorn puts the client socket in the WSGI environ; elsewhere (the test client) there is none.
+    """
+    sock = environ.get("gunicorn.socket")
+    if sock is None:
+        return lambda: False
+
+    def closed() -> bool:
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    return closed
 
 
 def _streamed(events: Iterator[str], close: Callable[[], None]) -> Response:

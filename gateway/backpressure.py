@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.errors import APIError
+from gateway.serving.errors import APIError
 from shared.errors import ErrorCode
 from shared.registry import WorkerRegistry
 

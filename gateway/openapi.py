@@ -9,8 +9,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from gateway.batch.api import CreateBatchBody
-from gateway.schemas import (
+from gateway.batch_api import CreateBatchBody
+from gateway.serving.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -187,7 +187,7 @@ _PAGE = [
 
 
 def _batch_paths() -> Json:
-    """The Batch API's routes (gateway.batch.api)."""
+    """The Batch API's routes (gateway.batch_api)."""
     upload = {
         "type": "object",
         "required": ["file", "purpose"],

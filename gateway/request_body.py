@@ -1,30 +1,23 @@
-"""A request's body and credentials: JSON within the size limit, text that is text, checked by a schema.
-
-Fields the schema does not know are ignored, as vLLM does: a warning names them, and so does the response's
-X-Ignored-Fields header (dotted paths such as `foo, messages.0.bar`).
-"""
+"""A request's body and credentials: JSON within the size limit, text that is text, checked by a schema
+(gateway.serving.validation); the fields it ignored are named in the response's X-Ignored-Fields header."""
 
 from __future__ import annotations
 
 import json
-import logging
 import re
 from typing import Any, TypeVar
-from urllib.parse import quote
 
 import pydantic
-from flask import Response, current_app, g, has_request_context, request
+from flask import Response, current_app, g, request
 from werkzeug.exceptions import UnsupportedMediaType
 
-from gateway.errors import APIError, bad_request, from_validation_error
+from gateway.serving.errors import APIError, bad_request
+from gateway.serving.validation import MAX_IGNORED_LISTED
+from gateway.serving.validation import validate as checked
 from shared.errors import ErrorCode
-
-logger = logging.getLogger(__name__)
 
 B = TypeVar("B", bound=pydantic.BaseModel)
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
-# A body may hold any number of unknown fields: the header names the first ones (the log says how many).
-MAX_IGNORED_LISTED = 32
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # Past this much of a refused body, the connection is closed instead.
 DISCARD_LIMIT_BYTES = 64 << 20
@@ -91,38 +84,10 @@ def bearer_token() -> bytes | None:
 
 def validate(model: type[B], data: dict[str, Any]) -> B:
     """The body as the schema reads it; the fields it ignored are noted for the response's header."""
-    try:
-        body = model.model_validate(data)
-    except pydantic.ValidationError as e:
-        raise from_validation_error(e) from e
-    ignored = ignored_fields(body)
+    body, ignored = checked(model, data, request.path)
     if ignored:
-        listed = ", ".join(ignored[:MAX_IGNORED_LISTED])
-        logger.warning("ignored %d unknown field(s) of a request to %s: %s", len(ignored), _path(), listed)
-        if has_request_context():
-            g.ignored_fields = ignored
+        g.ignored_fields = ignored
     return body
-
-
-def _path() -> str:
-    return request.path if has_request_context() else "-"
-
-
-def ignored_fields(body: pydantic.BaseModel, path: str = "") -> list[str]:
-    """The dotted paths of the fields a validated body holds but its schema does not know."""
-    found = [path + _escape(name) for name in body.model_extra or {}]
-    for name in type(body).model_fields:
-        value = getattr(body, name)
-        items = enumerate(value) if isinstance(value, list) else [(None, value)]
-        for i, item in items:
-            if isinstance(item, pydantic.BaseModel):
-                found += ignored_fields(item, f"{path}{name}." + ("" if i is None else f"{i}."))
-    return found
-
-
-def _escape(name: str) -> str:
-    """A field name as a header can carry it: ASCII, and no separator (`,` or `.`) of its own."""
-    return quote(name, safe="").replace(".", "%2E")
 
 
 def ignored_fields_header(response: Response) -> Response:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from gateway import metrics
-from gateway.token_receiver import SampleTokens
+from gateway.serving.token_receiver import SampleTokens
 from shared.protocol import GenerateRequest, RequestTimings
 
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import redis
 
-from gateway.errors import APIError
-from gateway.generation import ClientDisconnected, Generation
-from gateway.prompt_batch import PromptBatch
-from gateway.responses import ResponseFormat
-from gateway.resume import event_id
-from gateway.token_receiver import GenerationError
+from gateway.serving.errors import APIError
+from gateway.serving.generation import ClientDisconnected, Generation
+from gateway.serving.prompt_batch import PromptBatch
+from gateway.serving.responses import ResponseFormat
+from gateway.serving.resume import event_id
+from gateway.serving.token_receiver import GenerationError
 from shared.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -34,9 +34,9 @@ def event_stream(generation: Generation, response_format: ResponseFormat) -> Ite
     """Chunks as the samples grow. A failure mid-stream becomes an error event (OpenAI's error object, with
     its code), then the stream ends.
 
-    Every chunk carries an event id (`<request id>:<cursor>`, gateway.resume) from which a client that lost
+    Every chunk carries an event id (`<request id>:<cursor>`, serving.resume), from which a client that lost
     its connection resumes. A client that has gone away shows up as a failed write: gunicorn then closes this
-    generator, and the response's on-close callback lets the request go (gateway.attachments). The keep-alive
+    generator, and the response's on-close callback lets the request go (serving.attachments). The keep-alive
     comments sent while nothing happens are what make such a write happen.
     """
     rid = generation.request_id

@@ -3,7 +3,7 @@
 A batch's record is a hash (shared.keys `batch:{bid}`): its fixed part (`spec`, a BatchSpec), its `status`,
 one `<status>_at` timestamp per status it reached, the counts `total`, `completed` and `failed`, and
 `output_file_id`, `error_file_id` and `errors` once known. The gateway and the batch workers both read and
-write it; gateway.batch.records is the one module that does.
+write it; gateway.serving.batch_records is the one module that does.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from gateway.prepare import prepare_chat, prepare_completion
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
-from gateway.tokenization import Tokenizer, load_tokenizer
+from gateway.serving.prepare import prepare_chat, prepare_completion
+from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
+from gateway.serving.tokenization import Tokenizer, load_tokenizer
 from gpu_worker.assignments import engine_requests, read_assignment, salvage_request, sampling_params
 from gpu_worker.engine.sampling_params import SamplingParams
 from shared.errors import CodedError, ErrorCode, RequestRejected

@@ -144,7 +144,7 @@ def test_a_service_installs_from_its_extra_without_torch(extra: str, module: str
         assert folder.returncode == 0, folder.stderr[-3000:]
         tokenizer_folder = folder.stdout.strip()
         probe = (
-            "import sys; from gateway.tokenization import Tokenizer; "
+            "import sys; from gateway.serving.tokenization import Tokenizer; "
             "print(Tokenizer(sys.argv[1]).encode('Paris'))"
         )
         encoded = run([python, "-c", probe, tokenizer_folder], cwd=tmp_path)

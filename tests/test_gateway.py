@@ -28,14 +28,14 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from gateway.app import create_app
-from gateway.errors import HTTP_ERRORS, APIError
-from gateway.event_hub import EventHub
-from gateway.generation import Generation, GenerationTimeout, Limits
-from gateway.output import SampleOutput
-from gateway.prepare import Prepared
+from gateway.serving.errors import HTTP_ERRORS, APIError
+from gateway.serving.event_hub import EventHub
+from gateway.serving.generation import Generation, GenerationTimeout, Limits
+from gateway.serving.output import SampleOutput
+from gateway.serving.prepare import Prepared
+from gateway.serving.token_receiver import GenerationError
+from gateway.serving.tokenization import Tokenizer, load_tokenizer
 from gateway.settings import GatewaySettings
-from gateway.token_receiver import GenerationError
-from gateway.tokenization import Tokenizer, load_tokenizer
 from shared.errors import ErrorCode
 from shared.keys import Keys
 from shared.protocol import (
@@ -261,7 +261,7 @@ def make_generation(
     limits = Limits(
         timeout_s=timeout_s, tick_s=TICK_S, request_ttl_s=60, no_worker_grace_s=60, redis_outage_grace_s=60
     )
-    return Generation(r, keys, tok, prepared, model_name="tiny", limits=limits, hub=hub)
+    return Generation(r, keys, tok, prepared, limits=limits, hub=hub)
 
 
 def next_change(updates: Iterator[list[SampleOutput]]) -> list[SampleOutput]:

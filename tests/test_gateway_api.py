@@ -36,7 +36,7 @@ from test_gateway import (  # the fixtures and the thread that plays the worker
 )
 
 from gateway.request_body import IGNORED_FIELDS_HEADER
-from gateway.tokenization import Tokenizer
+from gateway.serving.tokenization import Tokenizer
 from shared.keys import Keys
 from shared.protocol import GenerateRequest
 

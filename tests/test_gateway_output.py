@@ -15,10 +15,10 @@ import redis
 from flask.testing import FlaskClient
 
 from gateway.app import create_app
-from gateway.output import SampleOutput
+from gateway.serving.output import SampleOutput
+from gateway.serving.token_receiver import SampleTokens
+from gateway.serving.tokenization import Tokenizer, load_tokenizer
 from gateway.settings import GatewaySettings
-from gateway.token_receiver import SampleTokens
-from gateway.tokenization import Tokenizer, load_tokenizer
 from shared.keys import Keys
 from shared.protocol import GenerateRequest, TokenEvent, TokenLogprob
 from shared.records import push_event

@@ -16,19 +16,19 @@ from typing import Any
 
 import redis
 
-from gateway.batch.records import BatchStore
-from gateway.errors import APIError
-from gateway.event_hub import EventHub
-from gateway.generation import Generation, Limits
-from gateway.prepare import Prepared, check_model, prepare_chat
-from gateway.prompt_batch import PromptBatch, prepare_prompts
-from gateway.request_body import validate
-from gateway.responses import ResponseFormat
-from gateway.resume import load_request
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.token_receiver import GenerationError
-from gateway.tokenization import Tokenizer
-from gateway.worker_watch import WorkerWatch
+from gateway.serving.batch_records import BatchStore
+from gateway.serving.errors import APIError
+from gateway.serving.event_hub import EventHub
+from gateway.serving.generation import Generation, Limits
+from gateway.serving.prepare import Prepared, check_model, prepare_chat
+from gateway.serving.prompt_batch import PromptBatch, prepare_prompts
+from gateway.serving.responses import ResponseFormat
+from gateway.serving.resume import load_request
+from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.serving.token_receiver import GenerationError
+from gateway.serving.tokenization import Tokenizer
+from gateway.serving.validation import validate
+from gateway.serving.worker_watch import WorkerWatch
 from shared.errors import CodedError, ErrorCode
 
 Json = dict[str, Any]
@@ -103,7 +103,6 @@ class LineContext:
             self.store.keys,
             self.tokenizer,
             prepared,
-            model_name=self.model_name,
             limits=self.limits,
             hub=self.hub,
             watch=self.watch,
@@ -133,11 +132,12 @@ def prepare_line(line: Line, endpoint: str, tokenizer: Tokenizer, model_name: st
         raise LineRefused(ErrorCode.INVALID_REQUEST, f"line {line.number}: body must be a JSON object")
     if body.get("stream"):
         raise APIError(ErrorCode.INVALID_REQUEST, "a batch's requests cannot stream", param="stream")
+    where = f"{endpoint} (batch line {line.number})"
     if is_chat(endpoint):
-        chat = validate(ChatCompletionRequest, body)
+        chat, _ = validate(ChatCompletionRequest, body, where)
         check_model(chat.model, model_name)
         return [prepare_chat(chat, tokenizer)]
-    plain = validate(CompletionRequest, body)
+    plain, _ = validate(CompletionRequest, body, where)
     check_model(plain.model, model_name)
     return prepare_prompts(plain, tokenizer)
 

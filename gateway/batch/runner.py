@@ -20,9 +20,9 @@ from typing import Literal
 
 import redis
 
-from gateway.batch.files import FileStore, custom_id_of, read_lines
 from gateway.batch.lines import Line, LineContext, LineRun, is_success
-from gateway.batch.records import BatchRecord
+from gateway.serving.batch_files import FileStore, custom_id_of, read_lines
+from gateway.serving.batch_records import BatchRecord
 from shared.errors import CodedError, ErrorCode
 from shared.keys import Keys
 

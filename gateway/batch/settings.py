@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from gateway.settings import ClientSettings
+from gateway.serving.settings import ClientSettings
 
 
 class BatchSettings(ClientSettings):

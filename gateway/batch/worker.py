@@ -11,17 +11,17 @@ import threading
 
 import redis
 
-from gateway.batch.celery_app import make_celery
-from gateway.batch.files import FileStore
 from gateway.batch.lines import LineContext
-from gateway.batch.records import BatchStore
 from gateway.batch.runner import LEASE_S, BatchRunner
 from gateway.batch.settings import BatchSettings
-from gateway.batch.storage import storage_at
-from gateway.event_hub import EventHub
-from gateway.generation import Limits
-from gateway.tokenization import load_tokenizer
-from gateway.worker_watch import WorkerWatch
+from gateway.serving.batch_files import FileStore
+from gateway.serving.batch_queue import make_celery
+from gateway.serving.batch_records import BatchStore
+from gateway.serving.event_hub import EventHub
+from gateway.serving.file_storage import storage_at
+from gateway.serving.generation import Limits
+from gateway.serving.tokenization import load_tokenizer
+from gateway.serving.worker_watch import WorkerWatch
 from shared.batches import RUN_BATCH_TASK
 from shared.errors import ErrorCode
 from shared.redis_client import connect

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gateway.generation import Generation
-from gateway.output import LogprobEntry, SampleOutput
-from gateway.tokenization import Tokenizer
+from gateway.serving.generation import Generation
+from gateway.serving.output import LogprobEntry, SampleOutput
+from gateway.serving.tokenization import Tokenizer
 
 # OpenAI's stand-in for a log-probability too small to write down (JSON has no -Infinity).
 _LOGPROB_FLOOR = -9999.0
@@ -115,7 +115,7 @@ class ResponseFormat:
 
     def sample_chunks(self, sample: SampleOutput) -> list[tuple[Json, list[int]]]:
         """What changed in a sample since its last chunk: new text (and logprobs), and its end with its last
-        text, as vLLM streams it; with the cursor a client has reached once it has it (see gateway.resume)."""
+        text, as vLLM streams it; with the cursor a client has reached once it has it (see serving.resume)."""
         text, entries = sample.take()
         reason = sample.take_finish()
         prepared = self._generation.prepared

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pydantic
 import redis
 
-from gateway.event_hub import EventHub
+from gateway.serving.event_hub import EventHub
 from shared.errors import CodedError, ErrorCode
 from shared.keys import Keys
 from shared.protocol import RequestTimings, SampleEnd, TokenEvent, TokenLogprob, WireError, decode

@@ -17,8 +17,8 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.body_model import Body
-from gateway.structured_params import OutputControlBody
+from gateway.serving.body_model import Body
+from gateway.serving.structured_params import OutputControlBody
 
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one completions request; each is a request of its own to the scheduler

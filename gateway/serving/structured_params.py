@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from gateway.body_model import Body
+from gateway.serving.body_model import Body
 from shared.protocol import StructuredKind, StructuredSpec
 from shared.structured import grammar_error
 

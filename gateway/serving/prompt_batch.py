@@ -3,7 +3,7 @@
 Each prompt is prepared, queued and failed over as a request of its own. The response is one
 `text_completion` whose choices run over prompts, then samples: choice index = prompt_index * n + sample;
 its usage is the sum over prompts. The prompts' subscriptions share one wake-up, so the request waits once
-for all of them. Resuming a stream (Last-Event-ID, gateway.resume) is for single-prompt requests: a
+for all of them. Resuming a stream (Last-Event-ID, gateway.serving.resume) is for single-prompt requests: a
 multi-prompt stream has no event ids, and its prompts are aborted as soon as its client drops.
 """
 
@@ -16,14 +16,14 @@ from typing import Any
 
 import redis
 
-from gateway.errors import APIError
-from gateway.generation import ClientDisconnected, Generation, GenerationTimeout
-from gateway.output import SampleOutput
-from gateway.prepare import Prepared, new_request_id, prepare_completion
-from gateway.responses import ResponseFormat
-from gateway.schemas import CompletionRequest
-from gateway.token_receiver import RECONNECT_INTERVAL_S, GenerationError
-from gateway.tokenization import Tokenizer
+from gateway.serving.errors import APIError
+from gateway.serving.generation import ClientDisconnected, Generation, GenerationTimeout
+from gateway.serving.output import SampleOutput
+from gateway.serving.prepare import Prepared, new_request_id, prepare_completion
+from gateway.serving.responses import ResponseFormat
+from gateway.serving.schemas import CompletionRequest
+from gateway.serving.token_receiver import RECONNECT_INTERVAL_S, GenerationError
+from gateway.serving.tokenization import Tokenizer
 
 Json = dict[str, Any]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from gateway.errors import bad_request
+from gateway.serving.errors import bad_request
 from shared.model_files import tokenizer_folder
 
 # Output is decoded after a few prompt tokens, so a tokenizer that drops a leading space at the start of a

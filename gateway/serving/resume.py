@@ -14,7 +14,7 @@ import re
 import pydantic
 import redis
 
-from gateway.errors import APIError, bad_request
+from gateway.serving.errors import APIError, bad_request
 from shared.errors import ErrorCode
 from shared.keys import Keys
 from shared.protocol import RequestMeta, decode

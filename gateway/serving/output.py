@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from gateway.token_receiver import SampleTokens
-from gateway.tokenization import IncrementalDetokenizer
+from gateway.serving.token_receiver import SampleTokens
+from gateway.serving.tokenization import IncrementalDetokenizer
 from shared.protocol import TokenLogprob
 
 

@@ -11,8 +11,8 @@ from typing import Any, BinaryIO
 import pydantic
 import redis
 
-from gateway.batch.storage import FileStorage
-from gateway.errors import bad_request
+from gateway.serving.errors import bad_request
+from gateway.serving.file_storage import FileStorage
 from shared.batches import FilePurpose, FileRecord
 from shared.keys import Keys
 from shared.protocol import decode, encode

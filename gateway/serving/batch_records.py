@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import redis
 
-from gateway.batch.files import listing_page
+from gateway.serving.batch_files import listing_page
 from shared.batches import ENDED_STATUSES, BatchSpec, BatchStatus
 from shared.keys import Keys
 from shared.protocol import decode, encode

@@ -6,10 +6,10 @@ import time
 import uuid
 from dataclasses import dataclass, field, fields
 
-from gateway.errors import APIError, bad_request
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody, conversation
-from gateway.structured_params import MAX_BEAM_WIDTH, StructuredError
-from gateway.tokenization import Tokenizer
+from gateway.serving.errors import APIError, bad_request
+from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody, conversation
+from gateway.serving.structured_params import MAX_BEAM_WIDTH, StructuredError
+from gateway.serving.tokenization import Tokenizer
 from shared.errors import ErrorCode
 from shared.protocol import GenerateRequest, RequestMeta, SamplingSpec, StructuredSpec, beam_search_refusals
 
@@ -62,7 +62,9 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepare
         prompt_text, prompt_ids = body.prompt, tokenizer.encode(body.prompt)
     else:
         prompt_ids = [t for t in body.prompt if isinstance(t, int)]
-        assert len(prompt_ids) == len(body.prompt), "one prompt at a time (gateway.prompt_batch splits lists)"
+        assert len(prompt_ids) == len(body.prompt), (
+            "one prompt at a time (gateway.serving.prompt_batch splits lists)"
+        )
         tokenizer.check_ids(prompt_ids, "prompt")
         prompt_text = tokenizer.decode(prompt_ids) if body.echo else ""
     if not prompt_ids:

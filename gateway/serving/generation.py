@@ -4,27 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import redis
 
-from gateway.attachments import Attachments
-from gateway.event_hub import EventHub
-from gateway.output import SampleOutput
-from gateway.prepare import Prepared
-from gateway.request_metrics import RequestMetrics
-from gateway.token_receiver import GenerationError, SampleTokens, TokenReceiver
-from gateway.tokenization import Tokenizer
-from gateway.worker_watch import WorkerWatch
+from gateway.serving.attachments import Attachments
+from gateway.serving.event_hub import EventHub
+from gateway.serving.output import SampleOutput
+from gateway.serving.prepare import Prepared
+from gateway.serving.token_receiver import GenerationError, SampleTokens, TokenReceiver
+from gateway.serving.tokenization import Tokenizer
+from gateway.serving.worker_watch import WorkerWatch
 from shared.errors import ErrorCode
 from shared.keys import REQUESTS_STREAM_MAXLEN, Keys
-from shared.protocol import AbortMessage, encode
+from shared.protocol import AbortMessage, GenerateRequest, encode
 
 logger = logging.getLogger(__name__)
 
@@ -51,23 +48,14 @@ class Limits:
     redis_outage_grace_s: float
 
 
-def peer_closed(environ: dict[str, Any]) -> Callable[[], bool]:
-    """Whether the client has closed its connection: it is readable and reading would give end-of-file.
+class RequestObserver(Protocol):
+    """What watches a request submitted here as it runs (the HTTP process's metrics)."""
 
-    gunicorn puts the client socket in the WSGI environ; elsewhere (the test client) there is none.
-    """
-    sock = environ.get("gunicorn.socket")
-    if sock is None:
-        return lambda: False
+    def tokens(self, tokens: SampleTokens) -> None: ...
 
-    def closed() -> bool:
-        try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    return closed
+    def finished(
+        self, request: GenerateRequest, finish_reasons: list[str], num_output_tokens: int
+    ) -> None: ...
 
 
 class Generation:
@@ -76,7 +64,7 @@ class Generation:
     The channel is subscribed before the request is queued, so no event can come before the gateway
     listens. A sample ended here by a stop string leaves its worker running; the request is aborted
     once every sample has ended (with n = 1, at once). A client that drops is not the end of the request:
-    it is aborted only if nobody resumes it within the grace (gateway.attachments). A resumed stream is a
+    it is aborted only if nobody resumes it within the grace (serving.attachments). A resumed stream is a
     Generation too: instead of submitting, it replays what its client already has (replay()).
     """
 
@@ -87,7 +75,6 @@ class Generation:
         tokenizer: Tokenizer,
         prepared: Prepared,
         *,
-        model_name: str,
         limits: Limits,
         hub: EventHub,
         watch: WorkerWatch | None = None,
@@ -95,6 +82,7 @@ class Generation:
         arrived: float | None = None,
         is_disconnected: Callable[[], bool] = lambda: False,
         wakeup: threading.Event | None = None,
+        observer: RequestObserver | None = None,
     ) -> None:
         self.request = prepared.request
         self.prepared = prepared
@@ -124,7 +112,7 @@ class Generation:
             )
             for i in range(n)
         ]
-        self._metrics = RequestMetrics(model_name, self._arrived, n)
+        self._observer = observer
         self.aborted: str | None = None
         self._receiver = TokenReceiver(
             client,
@@ -258,7 +246,7 @@ class Generation:
             if reached > sample.num_tokens and sample.finished:
                 sample.take_finish()
             self._receiver.skip(sample.index, fed, sample.finish_reason)
-        # The usage chunk's event id is one past every sample's end (gateway.responses.usage_chunk).
+        # The usage chunk's event id is one past every sample's end (gateway.serving.responses.usage_chunk).
         self.usage_sent = self.resumed and all(
             s.finished and reached > s.position for s, reached in zip(self.samples, cursor)
         )
@@ -288,16 +276,16 @@ class Generation:
             sample = self.samples[tokens.index]
             if sample.finished:
                 continue
-            if not self.reattached:  # a re-read stream's latencies are not the request's
-                self._metrics.tokens(tokens)
+            if self._observer is not None and not self.reattached:  # a re-read stream's are not the request's
+                self._observer.tokens(tokens)
             sample.add(tokens)
             changed[sample.index] = sample
         return list(changed.values())
 
     def _finished(self) -> None:
-        if not self.reattached:
+        if self._observer is not None and not self.reattached:
             reasons = [s.finish_reason or "" for s in self.samples]
-            self._metrics.finished(self.request, reasons, self.num_completion_tokens)
+            self._observer.finished(self.request, reasons, self.num_completion_tokens)
         if any(s.stopped_here for s in self.samples) and not self._receiver.done:
             self.abort("stop")
 

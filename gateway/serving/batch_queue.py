@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from gateway.settings import ClientSettings
+from gateway.serving.settings import ClientSettings
 from shared.batches import BATCH_QUEUE
 
 # How often a batch worker looks for tasks whose worker died (past the visibility timeout).

@@ -14,13 +14,13 @@ from flask import Response, jsonify, request
 from kombu.exceptions import OperationalError
 from pydantic import Field, field_validator
 
-from gateway.batch.celery_app import make_celery
-from gateway.batch.files import FileStore, batch_file_lines
-from gateway.batch.records import BatchRecord, BatchStore
-from gateway.batch.storage import storage_at
-from gateway.body_model import Body
-from gateway.errors import APIError, bad_request
 from gateway.request_body import parse_body
+from gateway.serving.batch_files import FileStore, batch_file_lines
+from gateway.serving.batch_queue import make_celery
+from gateway.serving.batch_records import BatchRecord, BatchStore
+from gateway.serving.body_model import Body
+from gateway.serving.errors import APIError, bad_request
+from gateway.serving.file_storage import storage_at
 from gateway.settings import GatewaySettings
 from shared.batches import BATCH_QUEUE, RUN_BATCH_TASK, BatchSpec, FileRecord, window_seconds
 from shared.errors import ErrorCode
