@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: install test lint check-compose run clean kernels bench-vllm
 
 # Every service's extra in one venv (pyproject.toml declares and pins them), plus benchmarks and tests.
-EXTRAS := gateway,scheduler,worker,bench,dev
+EXTRAS := serving,gateway,batch,cli,scheduler,worker,bench,dev
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

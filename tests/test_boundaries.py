@@ -1,8 +1,17 @@
-"""The boundary between the services: the gateway, the scheduler and shared/ never import the engine or torch,
-their dependencies install without torch, and a GGUF model's tokenizer is read without torch.
+"""The boundaries between folders: each is one process or one library, and imports only what RULES allow.
 
-The end-to-end cluster (test_e2e.py) runs the gateway and the scheduler under `without_engine` and checks that
-no torch library is mapped into their processes.
+- shared/ (library: protocol, keys, settings) imports no other package of the project, and no torch.
+- kernels/ (library: the paged-attention ops and their twins) imports no service and no redis.
+- gpu_worker/engine/ (library: the paged engine) imports no redis and nothing of the worker service.
+- gpu_worker/ (process: the worker service) imports nothing of the gateway or the scheduler.
+- gateway/serving/ (library: the request layer) imports no Flask, no HTTP module of the gateway, no batch
+  worker, no torch; gateway/batch/ (process: the batch worker) the same, but for the request layer.
+- gateway/ (process: the HTTP gateway) and scheduler_svc/ (process) import no engine and no torch.
+
+Each rule is checked on the source (every import, at a file's top or inside a function) and, for the rules
+that must also hold for what those imports import in turn, in a fresh interpreter. The end-to-end cluster
+(test_e2e.py) runs the gateway and the scheduler under `without_engine` and checks that no torch library is
+mapped into their processes.
 """
 
 from __future__ import annotations
@@ -21,31 +30,113 @@ from transformers import AutoConfig, AutoTokenizer
 from shared.model_files import default_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE_FREE_PACKAGES = ("gateway", "scheduler_svc", "shared")
 ENGINE_MODULES = {"torch", "gpu_worker", "kernels"}
+HTTP_STACK = ("flask", "werkzeug", "gunicorn", "prometheus_client")
+
+
+def modules_in(folder: str) -> tuple[str, ...]:
+    """The modules of a folder itself (not of the folders in it)."""
+    package = folder.replace("/", ".")
+    return tuple(f"{package}.{path.stem}" for path in (ROOT / folder).glob("*.py") if path.stem != "__init__")
+
+
+HTTP_PROCESS = modules_in("gateway")
+WORKER_SERVICE = modules_in("gpu_worker")
+SERVICES = ("gateway", "scheduler_svc", "gpu_worker")
+# What each folder's files never import (module names, or the packages they start): folder -> forbidden.
+RULES: dict[str, tuple[str, ...]] = {
+    "shared": (*SERVICES, "kernels", "torch"),
+    "kernels": (*SERVICES, "redis"),
+    "gpu_worker/engine": (
+        "redis",
+        "gpu_worker.service",
+        "gpu_worker.assignments",
+        "gpu_worker.request_table",
+        "gpu_worker.outbox",
+        "gpu_worker.settings",
+        "gpu_worker.simulation",
+        "gateway",
+        "scheduler_svc",
+    ),
+    "gpu_worker": ("gateway", "scheduler_svc"),
+    "gateway/serving": (*HTTP_STACK, *HTTP_PROCESS, "gateway.batch", *ENGINE_MODULES),
+    "gateway/batch": (*HTTP_STACK, *HTTP_PROCESS, *ENGINE_MODULES),
+    "gateway": ("gateway.batch", *ENGINE_MODULES),
+    "scheduler_svc": ("gateway", *ENGINE_MODULES),
+}
+# Rules that hold for everything a module imports, run in a fresh interpreter: module -> never loaded.
+TRANSITIVE: dict[str, tuple[str, ...]] = {
+    "gpu_worker.engine": ("redis", "flask", "celery"),
+    "gateway.serving.generation": HTTP_STACK,
+    "gateway.serving.prepare": HTTP_STACK,
+    "gateway.serving.responses": HTTP_STACK,
+    "gateway.batch.worker": HTTP_STACK,
+}
 # What the service image holds (docker/Dockerfile, target `service`).
 SERVICE_IMAGE_FILES = ("pyproject.toml", "README.md", "shared", "gateway", "scheduler_svc")
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Top-level names of every module a file imports, at its top or inside a function."""
+    """The full name of every module a file imports, at its top or inside a function (`from a.b import c`
+    names a.b and a.b.c: c may be a module)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names |= {alias.name.partition(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.partition(".")[0])
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
     return names
 
 
-@pytest.mark.parametrize("package", ENGINE_FREE_PACKAGES)
-def test_no_engine_import_in_the_source(package: str) -> None:
+def files_of(folder: str) -> list[Path]:
+    """The folder's Python files, without those of a nested folder that has rules of its own."""
+    nested = [ROOT / other for other in RULES if other.startswith(folder + "/")]
+    return sorted(
+        path
+        for path in (ROOT / folder).rglob("*.py")
+        if not any(path.is_relative_to(inner) for inner in nested)
+    )
+
+
+def forbidden(name: str, rule: tuple[str, ...]) -> bool:
+    return any(name == banned or name.startswith(banned + ".") for banned in rule)
+
+
+@pytest.mark.parametrize("folder", sorted(RULES))
+def test_a_folder_imports_only_what_its_rules_allow(folder: str) -> None:
     offenders = {
-        str(path.relative_to(ROOT)): found
-        for path in sorted((ROOT / package).rglob("*.py"))
-        if (found := imported_modules(path) & ENGINE_MODULES)
+        str(path.relative_to(ROOT)): sorted(found)
+        for path in files_of(folder)
+        if (found := {name for name in imported_modules(path) if forbidden(name, RULES[folder])})
     }
     assert not offenders
+
+
+def test_the_rules_cover_every_package_of_the_project() -> None:
+    packages = {p.parent.relative_to(ROOT).as_posix() for p in ROOT.glob("*/**/__init__.py")}
+    packages = {p for p in packages if not p.startswith((".", "tests", "benchmarks"))}
+    assert packages - set(RULES) <= {"kernels/csrc"}, packages - set(RULES)
+
+
+def test_the_boundary_check_finds_an_import_inside_a_function(tmp_path: Path) -> None:
+    source = tmp_path / "probe.py"
+    source.write_text("def f():\n    from flask import request\n    import torch.nn\n")
+    found = imported_modules(source)
+    assert {"flask", "flask.request", "torch.nn"} <= found
+    assert forbidden("flask.request", RULES["gateway/serving"]) and forbidden("torch.nn", RULES["shared"])
+    assert not forbidden("gateway.serving.prepare", RULES["gateway/batch"])
+
+
+@pytest.mark.parametrize("module", sorted(TRANSITIVE))
+def test_what_a_library_imports_in_turn_stays_within_its_rules(module: str) -> None:
+    probe = (
+        f"import sys, {module}; "
+        f"print(sorted({{m.partition('.')[0] for m in sys.modules}} & set({TRANSITIVE[module]!r})))"
+    )
+    result = run([sys.executable, "-c", probe])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.replace("'", '"')) == []
 
 
 def run(
@@ -114,7 +205,7 @@ def test_the_service_image_carries_no_engine() -> None:
     assert not [line for line in instructions if "torch" in line.lower()]
     copied = {name for line in instructions if line.startswith("COPY ") for name in line.split()[1:-1]}
     assert copied == set(SERVICE_IMAGE_FILES)
-    assert any("'.[gateway,scheduler]'" in line for line in instructions)
+    assert any("'.[gateway,batch,scheduler]'" in line for line in instructions)
 
 
 @pytest.mark.venv
