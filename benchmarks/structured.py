@@ -34,7 +34,7 @@ from gpu_worker.engine.llm_engine import SamplerOutput
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.sequence import Sequence
 from gpu_worker.engine.step_scheduler import StepSchedule
-from shared.protocol import StructuredSpec
+from shared.sampling import StructuredSpec
 
 # Open: a grammar that can complete (a JSON string's closing quote) would end requests at unequal lengths.
 OPEN_REGEX = "[^\n]*"

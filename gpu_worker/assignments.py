@@ -10,43 +10,20 @@ import pydantic
 
 from gpu_worker.engine.sampling_params import SamplingParams
 from shared.errors import CodedError, ErrorCode, RequestRejected
-from shared.protocol import Assignment, GenerateRequest, SamplingSpec, decode
+from shared.protocol import Assignment, GenerateRequest, decode
+from shared.sampling import SamplingSpec
 
 # An unreadable assignment is answered with one error event per sample; a garbled count cannot ask for more.
 MAX_SALVAGED_SAMPLES = 128
 
 
 def sampling_params(spec: SamplingSpec, **overrides: Any) -> SamplingParams:
-    """The engine's SamplingParams for a wire SamplingSpec, field by field (overrides win).
+    """The engine's SamplingParams for a wire SamplingSpec (overrides win).
 
     Raises RequestRejected for values the engine refuses.
     """
-    values: dict[str, Any] = {
-        "n": spec.n,
-        "temperature": spec.temperature,
-        "top_p": spec.top_p,
-        "top_k": spec.top_k,
-        "min_p": spec.min_p,
-        "presence_penalty": spec.presence_penalty,
-        "frequency_penalty": spec.frequency_penalty,
-        "repetition_penalty": spec.repetition_penalty,
-        "seed": spec.seed,
-        "max_tokens": spec.max_tokens,
-        "min_tokens": spec.min_tokens,
-        "stop_token_ids": list(spec.stop_token_ids),
-        "ignore_eos": spec.ignore_eos,
-        "logprobs": spec.logprobs,
-        "prompt_logprobs": spec.prompt_logprobs,
-        "logit_bias": dict(spec.logit_bias),
-        "allowed_token_ids": None if spec.allowed_token_ids is None else list(spec.allowed_token_ids),
-        "structured": spec.structured,
-        "use_beam_search": spec.use_beam_search,
-        "best_of": spec.best_of,
-        "length_penalty": spec.length_penalty,
-    }
-    values.update(overrides)
     try:
-        return SamplingParams(**values)
+        return SamplingParams.of(spec, **overrides)
     except (TypeError, ValueError) as e:
         raise RequestRejected(ErrorCode.INVALID_REQUEST, f"sampling parameters: {e}") from e
 
@@ -79,6 +56,7 @@ def engine_requests(request: GenerateRequest) -> list[EngineRequest]:
             params = sampling_params(
                 spec,
                 n=1,
+                best_of=None,  # (beam searches restart whole, above; otherwise best_of is n)
                 seed=None if spec.seed is None else spec.seed + index,
                 max_tokens=left,
                 min_tokens=max(0, spec.min_tokens - len(done)),

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.errors import CodedError, ErrorCode
+from shared.sampling import SamplingSpec
 
 # Version 2: errors travel as {code, message} (WireError), and the finished record holds SampleEnd models.
 PROTOCOL_VERSION: Literal[2] = 2
@@ -32,83 +33,6 @@ def encode(message: WireModel) -> str:
 
 def decode(cls: type[M], data: str | bytes) -> M:
     return cls.model_validate_json(data)
-
-
-StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
-
-
-class StructuredSpec(BaseModel):
-    """What a structured output must follow: a JSON schema (as text), any JSON object, a regular expression,
-    one of a JSON list of strings, or a grammar (Lark or GBNF). shared.structured turns it into a grammar."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: StructuredKind
-    value: str = ""
-
-
-class SamplingSpec(BaseModel):
-    """How to sample: the one definition on the wire. The gateway's request schemas hold the API's limits
-    and build it; the worker converts it into the engine's SamplingParams in one function
-    (gpu_worker.assignments.sampling_params), and a test keeps the three in step."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    # Prompt logprobs: the logprob of each prompt token after the ones before it, and the top k (None: none).
-    prompt_logprobs: int | None = None
-    # Added to a token's logit before sampling (OpenAI's logit_bias, token id -> bias in [-100, 100]).
-    logit_bias: dict[int, float] = Field(default_factory=dict)
-    # Only these tokens may be sampled (None: any).
-    allowed_token_ids: list[int] | None = None
-    # The output follows this grammar (None: free text).
-    structured: StructuredSpec | None = None
-    # Beam search over best_of beams (None: n), returning the n best; length_penalty divides scores by
-    # length**length_penalty.
-    use_beam_search: bool = False
-    best_of: int | None = None
-    length_penalty: float = 1.0
-
-
-class BeamSearchOptions(Protocol):
-    """What beam search looks at in a SamplingSpec (the gateway's) or a SamplingParams (the engine's)."""
-
-    structured: StructuredSpec | None
-    logit_bias: dict[int, float]
-    allowed_token_ids: list[int] | None
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    min_tokens: int
-
-
-def beam_search_refusals(options: BeamSearchOptions) -> list[str]:
-    """What beam search refuses among what options ask for: it scores the model's own logprobs, so whatever
-    reshapes them is refused (temperature and the truncation knobs are ignored, as by transformers' beam
-    search without sampling). One rule for the gateway's 400 and the engine's own check."""
-    asked = {
-        "structured outputs": options.structured is not None,
-        "logit_bias": bool(options.logit_bias),
-        "allowed_token_ids": options.allowed_token_ids is not None,
-        "presence_penalty": options.presence_penalty != 0.0,
-        "frequency_penalty": options.frequency_penalty != 0.0,
-        "repetition_penalty": options.repetition_penalty != 1.0,
-        "min_tokens": options.min_tokens > 0,
-    }
-    return [name for name, given in asked.items() if given]
 
 
 class GenerateRequest(WireModel):

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # a TypedDict of the stubs only
     from llguidance._lib import JsonCompileOptions
 from llguidance.gbnf_to_lark import any_to_lark
 
-from shared.protocol import StructuredSpec
+from shared.sampling import StructuredSpec
 
 # What `json_object` asks for: any JSON object.
 ANY_JSON_OBJECT = '{"type": "object"}'

@@ -1,11 +1,10 @@
-"""One sampling spec: the gateway's schema builds it, the wire carries it, the worker converts it.
+"""One definition of the sampling options (shared.sampling): the gateway's schema inherits it and builds the
+wire's spec from it, and the engine's SamplingParams is that spec; the worker converts one into the other.
 
-A field added on one side only fails here, not as a TypeError inside a worker.
+A field added to the definition reaches every shape; one given only to a body or the engine fails here.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 
@@ -15,7 +14,8 @@ from gateway.serving.tokenization import Tokenizer, load_tokenizer
 from gpu_worker.assignments import engine_requests, read_assignment, salvage_request, sampling_params
 from gpu_worker.engine.sampling_params import SamplingParams
 from shared.errors import CodedError, ErrorCode, RequestRejected
-from shared.protocol import Assignment, GenerateRequest, SamplingSpec, StructuredSpec, encode
+from shared.protocol import Assignment, GenerateRequest, encode
+from shared.sampling import SamplingOptions, SamplingSpec, StructuredSpec
 
 # Options of the offline API that never travel: the gateway detokenizes itself.
 ENGINE_ONLY = {"skip_special_tokens"}
@@ -23,8 +23,9 @@ ENGINE_ONLY = {"skip_special_tokens"}
 # structured output: response_format, structured_outputs, guided_*), not copied from the body.
 PER_ENDPOINT = {"max_tokens", "logprobs", "structured"}
 
-# A value other than the default for every field of the spec.
-NON_DEFAULT = {
+# A value other than the default for every field of the spec but use_beam_search (beam search refuses
+# penalties, logit_bias and the rest; BEAM has its own fields).
+NOT_BEAM = {
     "n": 3,
     "temperature": 0.7,
     "top_p": 0.9,
@@ -43,13 +44,33 @@ NON_DEFAULT = {
     "logit_bias": {5: 1.5, 9: -100.0},
     "allowed_token_ids": [3, 4, 5],
     "structured": StructuredSpec(kind="regex", value="[a-z]+"),
-    "use_beam_search": True,
     "best_of": 3,
     "length_penalty": 0.5,
 }
-# Beam search refuses penalties, logit_bias and the rest (tests/test_gateway_output_control.py): the gateway
-# builds every other field in one request.
-NOT_BEAM = {**NON_DEFAULT, "use_beam_search": False}
+BEAM = {"n": 2, "use_beam_search": True, "best_of": 3, "length_penalty": 0.5, "max_tokens": 7}
+
+
+def test_every_shape_derives_from_the_one_definition() -> None:
+    assert issubclass(SamplingBody, SamplingOptions) and issubclass(SamplingParams, SamplingSpec)
+    assert set(SamplingSpec.model_fields) == set(SamplingOptions.model_fields) | PER_ENDPOINT
+    assert set(SamplingParams.model_fields) == set(SamplingSpec.model_fields) | ENGINE_ONLY
+    assert set(NOT_BEAM) | set(BEAM) == set(SamplingSpec.model_fields)
+    defaults = SamplingSpec()
+    assert all(getattr(defaults, name) != value for name, value in {**NOT_BEAM, **BEAM}.items())
+
+
+@pytest.mark.parametrize("fields", [NOT_BEAM, BEAM], ids=["sampling", "beam search"])
+def test_every_spec_field_reaches_the_engine(fields: dict[str, object]) -> None:
+    params = sampling_params(SamplingSpec(**fields))  # type: ignore[arg-type]
+    assert {name: getattr(params, name) for name in fields} == fields
+    assert sampling_params(SamplingSpec()).model_dump() == SamplingParams().model_dump()
+
+
+def test_one_rule_refuses_a_combination_on_both_sides() -> None:
+    with pytest.raises(ValueError, match="use_beam_search does not take logit_bias"):
+        SamplingParams(use_beam_search=True, logit_bias={3: 1.0})
+    with pytest.raises(ValueError, match="use_beam_search does not take logit_bias"):
+        SamplingSpec(use_beam_search=True, logit_bias={3: 1.0})
 
 
 @pytest.fixture(scope="module")
@@ -57,27 +78,7 @@ def tok(tiny_model_path: str) -> Tokenizer:
     return load_tokenizer(tiny_model_path)
 
 
-def test_the_spec_and_the_engine_params_have_the_same_fields() -> None:
-    spec_fields = set(SamplingSpec.model_fields)
-    param_fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert spec_fields == param_fields - ENGINE_ONLY
-    assert set(NON_DEFAULT) == spec_fields
-    defaults = SamplingSpec()
-    assert all(getattr(defaults, name) != value for name, value in NON_DEFAULT.items())
-
-
-def test_every_spec_field_reaches_the_engine() -> None:
-    params = sampling_params(SamplingSpec(**NON_DEFAULT))  # type: ignore[arg-type]
-    assert {name: getattr(params, name) for name in NON_DEFAULT} == NON_DEFAULT
-    assert dataclasses.asdict(sampling_params(SamplingSpec())) == dataclasses.asdict(SamplingParams())
-
-
-def test_the_gateway_schema_sets_every_spec_field(tok: Tokenizer) -> None:
-    body_fields = set(SamplingBody.model_fields)
-    assert set(SamplingSpec.model_fields) - PER_ENDPOINT <= body_fields
-    for name in set(SamplingSpec.model_fields) - PER_ENDPOINT:
-        body_default = SamplingBody.model_fields[name].get_default(call_default_factory=True)
-        assert body_default == SamplingSpec.model_fields[name].get_default(call_default_factory=True), name
+def test_the_gateway_builds_the_spec_from_every_field_of_a_body(tok: Tokenizer) -> None:
     common: dict[str, object] = {k: v for k, v in NOT_BEAM.items() if k not in PER_ENDPOINT}
     common["guided_regex"] = "[a-z]+"
     completion = CompletionRequest.model_validate({"prompt": "hi", "max_tokens": 7, "logprobs": 2, **common})
@@ -95,8 +96,8 @@ def test_the_gateway_schema_sets_every_spec_field(tok: Tokenizer) -> None:
 
 
 def test_values_the_engine_refuses_are_rejected_with_a_code() -> None:
-    with pytest.raises(RequestRejected) as info:
-        sampling_params(SamplingSpec(top_p=0.0))
+    with pytest.raises(RequestRejected) as info:  # (a spec no gateway would build)
+        sampling_params(SamplingSpec.model_construct(top_p=0.0))
     assert info.value.code is ErrorCode.INVALID_REQUEST and "top_p" in info.value.message
 
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from gpu_worker import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 from shared.errors import RequestRejected
-from shared.protocol import StructuredSpec
+from shared.sampling import StructuredSpec
 
 MAX_NEW_TOKENS = 24
 EOS = 2  # SmolLM2-135M-Instruct's <|im_end|>: its eos and pad token
@@ -181,12 +181,25 @@ def test_offline_beam_search_api(tiny_model_path: str) -> None:
         ({"repetition_penalty": 1.2}, "repetition_penalty"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"min_tokens": 2}, "min_tokens"),
-        ({"structured": StructuredSpec(kind="json_object")}, "structured"),
+        ({"structured": StructuredSpec(kind="json_object")}, "structured outputs"),
+    ],
+)
+def test_beam_search_refuses_what_reshapes_its_logprobs(options: dict[str, Any], words: str) -> None:
+    """The rule the gateway answers with a 400 (shared.sampling): the parameters themselves refuse it."""
+    with pytest.raises(ValueError, match=f"use_beam_search does not take {words}"):
+        SamplingParams(**{"n": 2, "use_beam_search": True, "temperature": 0.0, **options})
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
         ({"n": 5, "best_of": 5}, "max_num_seqs"),
         ({"n": 4, "best_of": 4, "max_tokens": 100}, "KV pool"),
     ],
 )
-def test_beam_search_refusals(tiny_model_path: str, options: dict[str, Any], words: str) -> None:
+def test_beam_search_refuses_what_the_engine_cannot_hold(
+    tiny_model_path: str, options: dict[str, Any], words: str
+) -> None:
     engine = LLMEngine(tiny_model_path, SMALL_ENGINE, dtype="float32")
     params = SamplingParams(**{"n": 2, "use_beam_search": True, "temperature": 0.0, **options})
     with pytest.raises(RequestRejected, match=words):

@@ -10,7 +10,7 @@ import pytest
 from test_gateway import CHAT, CMPL, USER, assert_openai_error, client, make_app, queued, r, tok, worker
 from test_gateway_api import sent
 
-from shared.protocol import StructuredSpec
+from shared.sampling import StructuredSpec
 
 __all__ = ["client", "make_app", "r", "tok", "worker"]  # fixtures, used by name
 

@@ -18,10 +18,11 @@ from gpu_worker.engine.sampling_params import SamplingParams
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.simulation import SimulatedWorkers, StepTime, next_token, simulated_engine
 from shared.keys import Keys
-from shared.protocol import GenerateRequest, SamplingSpec, encode
+from shared.protocol import GenerateRequest, encode
 from shared.records import parse_ends, parse_tokens
 from shared.redis_client import connect
 from shared.registry import WorkerRegistry
+from shared.sampling import SamplingSpec
 
 FAST = StepTime(fixed_s=0.002, per_token_s=0.00001)
 ROOT = Path(__file__).resolve().parents[1]

@@ -206,12 +206,18 @@ def test_an_unreadable_assignment_is_answered_with_an_error_and_the_worker_goes_
     assert collect(worker, pubsub, 1)[-1].finish_reason == "length"
 
 
-def test_sampling_values_the_engine_refuses_are_an_error_event(worker: WorkerService) -> None:
+def test_sampling_values_out_of_range_are_an_error_event(worker: WorkerService) -> None:
     client, keys = worker.redis, worker.keys
     pubsub = subscribe(client, keys, "r10")
-    assign(client, keys, request("r10", top_p=7.0))  # the gateway never sends it; the worker must not die
+    # No gateway sends it (the spec refuses it): the worker reads no such assignment, answers it, goes on.
+    spec = SamplingSpec.model_construct(top_p=7.0, max_tokens=12)
+    bad = GenerateRequest(request_id="r10", prompt_token_ids=PROMPT, sampling=spec, arrival_time=time.time())
+    assign(client, keys, bad)
     error = collect(worker, pubsub, 1)[-1].error
-    assert error is not None and error.code is ErrorCode.INVALID_REQUEST and "top_p" in error.message
+    assert error is not None and error.code is ErrorCode.PROTOCOL_ERROR and "top_p" in error.message
+    after = subscribe(client, keys, "r11")
+    assign(client, keys, request("r11"))
+    assert collect(worker, after, 1)[-1].finish_reason == "length"
 
 
 def test_assignment_of_an_aborted_request_is_dropped(worker: WorkerService) -> None:

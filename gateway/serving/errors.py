@@ -11,6 +11,7 @@ import re
 import pydantic
 
 from shared.errors import CodedError, ErrorCode
+from shared.sampling import SamplingProblem
 
 # code -> (HTTP status, OpenAI error type): the one place a failure's status is decided.
 HTTP_ERRORS: dict[ErrorCode, tuple[int, str]] = {
@@ -80,6 +81,9 @@ def from_validation_error(error: pydantic.ValidationError) -> APIError:
     # A value matching no member of a union yields one error per member: the deepest one says most.
     first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
     param = _param_path(first["loc"])
+    problem = first.get("ctx", {}).get("error")
+    if isinstance(problem, SamplingProblem):  # options refused together: it names the parameter
+        param = problem.param
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message = f"unknown parameter '{param}'"

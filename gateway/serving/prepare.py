@@ -4,44 +4,38 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field, fields
 
-from gateway.serving.errors import APIError, bad_request
+import pydantic
+from pydantic import Field
+
+from gateway.serving.errors import APIError, bad_request, from_validation_error
 from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody, conversation
-from gateway.serving.structured_params import MAX_BEAM_WIDTH, StructuredError
+from gateway.serving.structured_params import StructuredError
 from gateway.serving.tokenization import Tokenizer
 from shared.errors import ErrorCode
-from shared.protocol import GenerateRequest, RequestMeta, SamplingSpec, StructuredSpec, beam_search_refusals
+from shared.protocol import GenerateRequest, RequestMeta
+from shared.sampling import SamplingSpec, StructuredSpec, options_of
 
 
-@dataclass(slots=True)
-class Prepared:
-    """A validated, tokenized request and what the gateway itself does with its output."""
+class Prepared(RequestMeta):
+    """A validated, tokenized request: what its record keeps (RequestMeta, the one definition), and how this
+    client reads it (stream)."""
 
-    request: GenerateRequest
-    chat: bool
-    stop: list[str] = field(default_factory=list)
-    prompt_text: str = ""
-    echo: bool = False
-    want_logprobs: bool = False
+    created: int = Field(default_factory=lambda: int(time.time()))
     stream: bool = False
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-    include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None  # each choice's prompt_logprobs, with the top k (None: none)
-    created: int = field(default_factory=lambda: int(time.time()))
 
     def meta(self, owner: str) -> RequestMeta:
-        return RequestMeta(owner=owner, **{name: getattr(self, name) for name in _KEPT})
+        return RequestMeta.model_validate({**self._kept(), "owner": owner})
 
     @classmethod
     def from_meta(cls, meta: RequestMeta, *, stream: bool) -> Prepared:
         """The request as it was prepared when it was created, for a client that resumes it."""
-        return cls(stream=stream, **{name: getattr(meta, name) for name in _KEPT})
+        return cls.model_validate(
+            {**{name: getattr(meta, name) for name in RequestMeta.model_fields}, "stream": stream}
+        )
 
-
-# What the request's record keeps of a Prepared: all of it but how this one client reads it (stream).
-_KEPT = tuple(f.name for f in fields(Prepared) if f.name in RequestMeta.model_fields)
+    def _kept(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in RequestMeta.model_fields}
 
 
 def new_request_id(prefix: str) -> str:
@@ -73,9 +67,9 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepare
     prompt_ids = _truncate(prompt_ids, body.truncate_prompt_tokens, tokenizer)
     if body.echo and len(prompt_ids) < num_given:
         prompt_text = tokenizer.decode(prompt_ids)  # the echo is the prompt the model saw
-    sampling = _sampling(body, body.max_tokens, body.logprobs, len(prompt_ids), tokenizer)
     # Echo with logprobs shows the prompt's tokens with theirs, as vLLM does.
-    sampling.prompt_logprobs = _most(body.logprobs if body.echo else None, _prompt_logprobs(body))
+    prompt_logprobs = _most(body.logprobs if body.echo else None, _prompt_logprobs(body))
+    sampling = _sampling(body, body.max_tokens, body.logprobs, prompt_logprobs, len(prompt_ids), tokenizer)
     return Prepared(
         request=_request("cmpl", prompt_ids, sampling, body.priority),
         chat=False,
@@ -100,8 +94,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> Prepared:
     echo = body.echo and body.messages[-1].role == "assistant"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    sampling = _sampling(body, max_tokens, logprobs, len(prompt_ids), tokenizer)
-    sampling.prompt_logprobs = _prompt_logprobs(body)
+    sampling = _sampling(body, max_tokens, logprobs, _prompt_logprobs(body), len(prompt_ids), tokenizer)
     return Prepared(
         request=_request("chatcmpl", prompt_ids, sampling, body.priority),
         chat=True,
@@ -144,6 +137,7 @@ def _sampling(
     body: SamplingBody,
     max_tokens: int | None,
     logprobs: int | None,
+    prompt_logprobs: int | None,
     num_prompt_tokens: int,
     tokenizer: Tokenizer,
 ) -> SamplingSpec:
@@ -165,36 +159,15 @@ def _sampling(
             param=param,
             code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
         )
-    if body.min_tokens > max_tokens:
-        raise bad_request(f"min_tokens ({body.min_tokens}) is more than {param} ({max_tokens})", "min_tokens")
     tokenizer.check_ids(body.stop_token_ids, "stop_token_ids")
     tokenizer.check_ids(list(body.logit_bias), "logit_bias")
     if body.allowed_token_ids is not None:
         tokenizer.check_ids(body.allowed_token_ids, "allowed_token_ids")
-    spec = SamplingSpec(
-        n=body.n,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        seed=body.seed,
-        max_tokens=max_tokens,
-        min_tokens=body.min_tokens,
-        stop_token_ids=list(body.stop_token_ids),
-        ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
-        logit_bias=dict(body.logit_bias),
-        allowed_token_ids=None if body.allowed_token_ids is None else list(body.allowed_token_ids),
-        structured=_structured(body),
-        use_beam_search=body.use_beam_search,
-        best_of=body.best_of,
-        length_penalty=body.length_penalty,
-    )
-    _check_beam_search(spec)
-    return spec
+    options = {**options_of(body), "prompt_logprobs": prompt_logprobs}
+    try:
+        return SamplingSpec(**options, max_tokens=max_tokens, logprobs=logprobs, structured=_structured(body))
+    except pydantic.ValidationError as e:  # options that cannot be served together (shared.sampling)
+        raise from_validation_error(e) from e
 
 
 def _structured(body: SamplingBody) -> StructuredSpec | None:
@@ -202,23 +175,6 @@ def _structured(body: SamplingBody) -> StructuredSpec | None:
         return body.structured()
     except StructuredError as e:
         raise bad_request(str(e), param=e.param) from e
-
-
-def _check_beam_search(spec: SamplingSpec) -> None:
-    """best_of only with use_beam_search (unless it is n), a beam width within bounds, and nothing that beam
-    search refuses (shared.protocol.beam_search_refusals: the rule the engine checks too)."""
-    if not spec.use_beam_search:
-        if spec.best_of is not None and spec.best_of != spec.n:
-            raise bad_request("best_of other than n is only served with use_beam_search", param="best_of")
-        return
-    width = spec.best_of if spec.best_of is not None else spec.n
-    if spec.n > width:
-        raise bad_request(f"n ({spec.n}) must be at most best_of ({width}), the beam width", param="n")
-    if width > MAX_BEAM_WIDTH:
-        raise bad_request(f"the beam width (n or best_of) must be at most {MAX_BEAM_WIDTH}", param="n")
-    refused = beam_search_refusals(spec)
-    if refused:
-        raise bad_request(f"use_beam_search does not take {refused[0]}", param="use_beam_search")
 
 
 def _request(kind: str, prompt_ids: list[int], sampling: SamplingSpec, priority: int) -> GenerateRequest:

@@ -6,57 +6,16 @@ warning and in the response's X-Ignored-Fields header.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BeforeValidator,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from gateway.serving.body_model import Body
 from gateway.serving.structured_params import OutputControlBody
+from shared.sampling import MaxTokens, NumLogprobs, SamplingOptions
 
-MAX_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one completions request; each is a request of its own to the scheduler
-_INT64 = 2**63
 _TokenIds = list[Annotated[int, Field(ge=0)]]
-
-
-def _token_id_keys(value: Any) -> Any:
-    """JSON object keys are strings: logit_bias names its token ids as decimal strings ("50256")."""
-    if not isinstance(value, dict):
-        return value
-    ids: dict[Any, Any] = {}
-    bad = []
-    for key, bias in value.items():
-        if isinstance(key, str) and _DECIMAL.fullmatch(key):
-            ids[int(key)] = bias
-        elif isinstance(key, int) and not isinstance(key, bool):
-            ids[key] = bias
-        else:
-            bad.append(repr(str(key)[:20]))
-    if bad:
-        named = ", ".join(bad[:_MAX_NAMED]) + (
-            f" and {len(bad) - _MAX_NAMED} more" if len(bad) > _MAX_NAMED else ""
-        )
-        raise ValueError(f"logit_bias keys must be token ids written in decimal, not {named}")
-    return ids
-
-
-_DECIMAL = re.compile(r"[0-9]{1,10}")
-_MAX_NAMED = 8  # bad keys an error names
-LogitBias = Annotated[
-    dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]],
-    BeforeValidator(_token_id_keys),
-    Field(
-        description="token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling",
-        json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,10}$"}},
-    ),
-]
 
 
 class StreamOptions(Body):
@@ -90,42 +49,26 @@ class ChatMessage(Body):
         return "\n".join(part.text for part in self.content)
 
 
-class SamplingBody(OutputControlBody):
-    """Fields shared by completions and chat completions."""
+class SamplingBody(OutputControlBody, SamplingOptions):
+    """Fields shared by completions and chat completions: the sampling options (shared.sampling, their one
+    definition), structured outputs and what the gateway itself does with the output."""
+
+    model_config = Body.model_config
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
-    seed: Annotated[int, Field(ge=-_INT64, lt=_INT64)] | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = Field(
         None, description="a string, or up to 16, that ends a sample where it appears (it is not returned)"
     )
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
     user: str | None = None
     priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: LogitBias = Field(default_factory=dict)
-    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = Field(
-        None, description="only these token ids may be sampled (vLLM)"
-    )
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = Field(
         None,
         description="keep only the last k prompt tokens (-1: as many as the model's context holds) (vLLM)",
     )
     include_stop_str_in_output: bool = Field(
         False, description="keep the stop string or stop token that ended a sample in its text (vLLM)"
-    )
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
-        None, description="each prompt token's logprob and the top k (vLLM); not with stream when above 0"
     )
 
     @field_validator("truncate_prompt_tokens")
@@ -179,8 +122,8 @@ class CompletionRequest(SamplingBody):
             "prompt and sample, indexed prompt_index * n + sample (a list of one prompt is that prompt)"
         )
     )
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: MaxTokens | None = 16
+    logprobs: NumLogprobs | None = None
     echo: bool = False
 
     @field_validator("prompt", mode="before")
@@ -246,10 +189,10 @@ class ChatTemplateBody(Body):
 class ChatCompletionRequest(SamplingBody, ChatTemplateBody):
     """POST /v1/chat/completions."""
 
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: NumLogprobs | None = None
     echo: bool = Field(
         False, description="when the final message is the assistant's, the response starts with its content"
     )

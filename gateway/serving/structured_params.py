@@ -1,20 +1,17 @@
-"""The request fields that steer a whole output: structured outputs (OpenAI's response_format, vLLM's
-structured_outputs and its older guided_* fields) and beam search (vLLM's use_beam_search, best_of,
-length_penalty)."""
+"""The request fields that make a structured output: OpenAI's response_format, vLLM's structured_outputs and
+its older guided_* fields (beam search's use_beam_search, best_of and length_penalty are sampling options,
+shared.sampling)."""
 
 from __future__ import annotations
 
 import json
-import math
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from gateway.serving.body_model import Body
-from shared.protocol import StructuredKind, StructuredSpec
+from shared.sampling import StructuredKind, StructuredSpec
 from shared.structured import grammar_error
-
-MAX_BEAM_WIDTH = 16
 
 
 class JsonSchemaFormat(Body):
@@ -47,7 +44,7 @@ class StructuredOutputsParam(Body):
 
 
 class OutputControlBody(Body):
-    """Structured outputs and beam search, on both completion endpoints."""
+    """Structured outputs, on both completion endpoints."""
 
     response_format: ResponseFormatParam | None = None
     structured_outputs: StructuredOutputsParam | None = Field(
@@ -59,22 +56,6 @@ class OutputControlBody(Body):
         None, description="vLLM's older structured_outputs.choice"
     )
     guided_grammar: str | None = Field(None, description="vLLM's older structured_outputs.grammar")
-    use_beam_search: bool = Field(
-        False, description="beam search over best_of beams (default n), returning the n best (vLLM)"
-    )
-    best_of: Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)] | None = Field(
-        None, description=f"the beam width, at most {MAX_BEAM_WIDTH}; only with use_beam_search"
-    )
-    length_penalty: float = Field(
-        1.0, description="beam search: a finished beam scores its summed logprobs / length**length_penalty"
-    )
-
-    @field_validator("length_penalty")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("length_penalty must be a finite number")
-        return value
 
     def structured(self) -> StructuredSpec | None:
         """The structured output asked for (None: free text).
@@ -147,7 +128,7 @@ class OutputControlBody(Body):
 
 
 class StructuredError(ValueError):
-    """A structured-output or beam-search field that cannot be served, and the parameter it is in."""
+    """A structured-output field that cannot be served, and the parameter it is in."""
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)

@@ -29,7 +29,6 @@ from gpu_worker.engine.sampling_params import SamplingParams
 from gpu_worker.engine.sequence import Sequence, SequenceStatus
 from gpu_worker.engine.step_scheduler import StepScheduler
 from shared.errors import ErrorCode, RequestRejected
-from shared.protocol import beam_search_refusals
 
 _FLOAT32 = struct.Struct("f")
 
@@ -86,11 +85,9 @@ class BeamCandidates:
 def validate_beam_search(
     params: SamplingParams, max_len: int, num_blocks: int, block_size: int, max_num_seqs: int
 ) -> None:
-    """Refuse (RequestRejected) what beam search does not combine with, and a width the engine cannot hold."""
-    names = beam_search_refusals(params)
-    if names:
-        raise RequestRejected(ErrorCode.INVALID_REQUEST, f"beam search does not support {', '.join(names)}")
-    width = params.best_of or params.n
+    """Refuse (RequestRejected) a width the engine cannot hold (what beam search does not combine with is
+    refused by SamplingParams itself)."""
+    width = params.beam_width()
     if width > max_num_seqs:
         raise RequestRejected(
             ErrorCode.INVALID_REQUEST, f"a beam width of {width} exceeds max_num_seqs ({max_num_seqs})"

@@ -19,7 +19,7 @@ import torch
 from llguidance import LLMatcher, LLTokenizer
 
 from shared.errors import ErrorCode, RequestRejected
-from shared.protocol import StructuredSpec
+from shared.sampling import StructuredSpec
 from shared.structured import GrammarError, grammar_of
 
 logger = logging.getLogger(__name__)
