@@ -53,10 +53,10 @@ from shared.protocol import (
     SchedulerStats,
     TokenEvent,
     decode,
-    encode,
 )
 from shared.redis_client import connect
 from shared.registry import WorkerRegistry
+from shared.streams import queue_request
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"admissions_per_s": 5000.0, "admission_p99_ms": 5.0, "itl_p99_added_ms": 5.0}
@@ -116,7 +116,7 @@ def enqueue(client: redis.Redis, keys: Keys, rids: list[str]) -> None:
     """Send the requests (one pipeline): one output token each, so a worker finishes each in one step."""
     pipe = client.pipeline(transaction=False)
     for rid in rids:
-        pipe.xadd(keys.requests, {"data": encode(request(rid, 1))})
+        queue_request(pipe, keys.requests, request(rid, 1))
     pipe.execute()
 
 

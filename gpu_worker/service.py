@@ -19,7 +19,6 @@ from gpu_worker.request_table import ActiveRequest, RequestTable
 from gpu_worker.settings import WorkerSettings, engine_config
 from shared.backoff import Backoff
 from shared.errors import CodedError, ErrorCode
-from shared.keys import WORKER_GROUP
 from shared.protocol import (
     AbortMessage,
     Assignment,
@@ -28,6 +27,8 @@ from shared.protocol import (
     decode,
 )
 from shared.redis_client import NamedPipeline, connect
+from shared.reservations import give_back
+from shared.streams import WORKER_GROUP, ensure_group, next_stream_id, read_inbox_entry
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +92,7 @@ class WorkerService:
         logger.info("worker %s ready: %d KV blocks", self.worker_id, self.engine.allocator.num_blocks)
 
     def _create_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.keys.inbox(self.worker_id), WORKER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        ensure_group(self.redis, self.keys.inbox(self.worker_id), WORKER_GROUP)
 
     def keep_alive(self) -> None:
         """Extend the heartbeat's TTL every interval, also while a step outlasts it (a long CPU prefill).
@@ -204,9 +201,10 @@ class WorkerService:
         entries: list[tuple[str, str | None]] = []
         for _, messages in reply or []:
             for entry_id, fields in messages:
-                entries.append((entry_id, (fields or {}).get("data")))
-                # Reserved for it by the scheduler: handed back by the heartbeat that counts it (heartbeat()).
-                self._taken_blocks += _int_or_zero((fields or {}).get("blocks"))
+                data, blocks = read_inbox_entry(fields)
+                entries.append((entry_id, data))
+                # Reserved for it by the scheduler: given back by the heartbeat that counts it (heartbeat()).
+                self._taken_blocks += blocks
         if not entries:
             return 0
         assignments: dict[str, Assignment] = {}
@@ -289,7 +287,6 @@ class WorkerService:
             started_at=self.started_at,
             max_model_len=self.engine.max_model_len,
             waiting_blocks=waiting_blocks,
-            inbox_last_id=self.inbox_last_id,
             num_preemptions=stats.num_preemptions,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             prompt_tokens_total=self.table.prompt_tokens_total,
@@ -307,26 +304,12 @@ class WorkerService:
         pipe.expire(key, max(1, int(self.settings.heartbeat_ttl_s + 0.999)))
         pipe.sadd(self.keys.workers, self.worker_id)
         # The blocks of what was taken in move from the reservation counter to free/waiting blocks at once,
-        # and the taken entries leave the inbox.
-        if self._taken_blocks:
-            pipe.decrby(self.keys.reserved(self.worker_id), self._taken_blocks)
+        # and the taken entries leave the inbox (shared.reservations).
+        give_back(pipe, self.keys, self.worker_id, self._taken_blocks)
         if self.inbox_last_id != "0-0":
             pipe.xtrim(
-                self.keys.inbox(self.worker_id), minid=_next_stream_id(self.inbox_last_id), approximate=False
+                self.keys.inbox(self.worker_id), minid=next_stream_id(self.inbox_last_id), approximate=False
             )
         pipe.execute()
         self._taken_blocks = 0
         self.last_heartbeat = time.monotonic()
-
-
-def _int_or_zero(value: str | None) -> int:
-    try:
-        return max(0, int(value or 0))
-    except ValueError:
-        return 0
-
-
-def _next_stream_id(entry_id: str) -> str:
-    """The smallest stream id after entry_id ("ms-seq")."""
-    ms, _, seq = entry_id.partition("-")
-    return f"{ms}-{int(seq or 0) + 1}"

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Container, Mapping
 
 import redis
 from pydantic import ValidationError
 
 from shared.keys import Keys
-from shared.protocol import Assignment, GenerateRequest, decode, encode
+from shared.protocol import Assignment, GenerateRequest, decode
 from shared.records import parse_ends, parse_tokens
 from shared.redis_client import NamedPipeline
+from shared.streams import Lease, queue_request
 
 log = logging.getLogger(__name__)
 
 # Long enough for one sweep (a few round trips), short enough that a scheduler dying mid-sweep delays little.
-LOCK_TTL_MS = 5000
+LOCK_TTL_S = 5.0
 
 
 def resume_request(
@@ -49,8 +49,8 @@ class Failover:
         """The re-queued requests; None when another scheduler holds the lock or a worker came back."""
         if not dead_worker_ids:
             return []
-        token = f"{self._owner}:{uuid.uuid4().hex}"
-        if not self._client.set(self._keys.scheduler_lock, token, nx=True, px=LOCK_TTL_MS):
+        lease = Lease(self._client, self._keys.scheduler_lock, LOCK_TTL_S, holder=self._owner)
+        if not lease.acquire():
             return None
         try:
             return self._sweep(dead_worker_ids)
@@ -58,7 +58,7 @@ class Failover:
             log.info("a worker presumed dead wrote to Redis during failover; retrying next round")
             return None
         finally:
-            self._release(token)
+            lease.release()
 
     def _sweep(self, dead_worker_ids: list[str]) -> list[GenerateRequest]:
         keys = self._keys
@@ -85,7 +85,7 @@ class Failover:
             requeue = self._resumed(requests)
             tx.multi()
             for request in requeue:
-                tx.xadd(keys.requests, {"data": encode(request)})
+                queue_request(tx, keys.requests, request)
             for wid in dead:
                 tx.delete(keys.inbox(wid), keys.assigned(wid), keys.reserved(wid))
                 tx.srem(keys.workers, wid)
@@ -124,17 +124,3 @@ class Failover:
             if resumed is not None:
                 requeue.append(resumed)
         return requeue
-
-    def _release(self, token: str) -> None:
-        """Delete the lock only if it is still ours (it may have expired and been taken by another)."""
-        with self._client.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(self._keys.scheduler_lock)
-                if pipe.get(self._keys.scheduler_lock) == token:
-                    pipe.multi()
-                    pipe.delete(self._keys.scheduler_lock)
-                    pipe.execute()
-                else:
-                    pipe.unwatch()
-            except redis.WatchError:
-                pass

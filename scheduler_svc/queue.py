@@ -7,19 +7,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from shared.protocol import QUEUE_TIME_BUCKETS_S, GenerateRequest
-
-StreamId = tuple[int, int]
-
-
-def stream_ms(entry_id: str) -> int:
-    """When Redis added a stream entry (its id's milliseconds, by the server's clock)."""
-    return int(entry_id.partition("-")[0])
-
-
-def parse_stream_id(entry_id: str) -> StreamId:
-    """A stream entry id ("ms-seq") as a tuple: ids compare in stream order, which strings do not."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
+from shared.streams import StreamId, parse_stream_id
 
 
 @dataclass(slots=True)

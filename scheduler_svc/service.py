@@ -10,19 +10,18 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 import redis
-from pydantic import ValidationError
 
 from scheduler_svc.admission import Admit, Decision, Reject, never_fits, plan_admissions, shapes_of
 from scheduler_svc.failover import Failover
-from scheduler_svc.queue import QueuedRequest, QueueTimes, WaitingQueue, stream_ms
+from scheduler_svc.queue import QueuedRequest, QueueTimes, WaitingQueue
 from scheduler_svc.reserve import Reserver
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.workers import WorkerView
 from shared.backoff import Backoff
-from shared.keys import SCHEDULER_GROUP
-from shared.protocol import Assignment, GenerateRequest, SchedulerStats, WireError, decode
+from shared.protocol import Assignment, SchedulerStats, WireError
 from shared.records import error_events, push_event
 from shared.redis_client import NamedPipeline, connect
+from shared.streams import SCHEDULER_GROUP, Fields, ensure_group, read_request, stream_ms
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-StreamEntry = tuple[str, dict[str, str] | None]
+StreamEntry = tuple[str, Fields]
 
 
 class SchedulerService:
@@ -106,11 +105,7 @@ class SchedulerService:
 
     def _resync(self) -> None:
         """Rebuild from Redis: the group and our own pending entries."""
-        try:
-            self.client.xgroup_create(self.keys.requests, SCHEDULER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        ensure_group(self.client, self.keys.requests, SCHEDULER_GROUP)
         self.queue.clear()
         self._fresh.clear()
         last_id = "0"
@@ -160,10 +155,9 @@ class SchedulerService:
         unreadable: list[str] = []
         for entry_id, fields in entries:
             try:
-                request = decode(GenerateRequest, (fields or {})["data"])
-            except (KeyError, ValidationError) as exc:
-                # An entry deleted from the stream comes back without fields while still pending.
-                log.error("dropping unreadable request entry %s: %r", entry_id, exc)
+                request = read_request(fields)
+            except ValueError as exc:
+                log.error("dropping request entry %s: %s", entry_id, exc)
                 unreadable.append(entry_id)
                 continue
             entry = QueuedRequest(entry_id, request)

@@ -10,6 +10,7 @@ from scheduler_svc.admission import WorkerRoom
 from shared.keys import Keys
 from shared.protocol import Heartbeat
 from shared.registry import WorkerRegistry
+from shared.reservations import available_blocks
 
 
 @dataclass(slots=True)
@@ -51,7 +52,7 @@ class WorkerView:
             self.live[worker_id].reserved_blocks += blocks
 
     def rooms(self, watermark_blocks: int) -> list[WorkerRoom]:
-        """Admission's picture of every live worker: available = free - waiting - reserved - watermark."""
+        """Every live worker as admission sees it: the room the admit script checks (shared.reservations)."""
         rooms = []
         for wid, worker in self.live.items():
             hb = worker.heartbeat
@@ -60,10 +61,7 @@ class WorkerView:
                 WorkerRoom(
                     worker_id=wid,
                     block_size=hb.block_size,
-                    available_blocks=hb.free_blocks
-                    - hb.waiting_blocks
-                    - worker.reserved_blocks
-                    - watermark_blocks,
+                    available_blocks=available_blocks(hb, worker.reserved_blocks, watermark_blocks),
                     capacity_blocks=hb.total_blocks - watermark_blocks,
                     max_model_len=hb.max_model_len,
                     num_assigned=worker.num_assigned,

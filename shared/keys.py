@@ -29,7 +29,8 @@ test runs can share one Redis. `rid` is a request id, `wid` a worker id, `i` a s
 | {p}:batch:{bid}:lease        | string (runner)     | batch                 | batch                | seconds       |
 | {p}:celery:*                 | Celery's own keys   | gateway, batch        | batch (Celery)       | Celery's      |
 
-HEARTBEAT_TTL is HEARTBEAT_TTL_S and REQUEST_TTL is REQUEST_TTL_S (shared.settings). The scheduler writes a
+HEARTBEAT_TTL is HEARTBEAT_TTL_S and REQUEST_TTL is REQUEST_TTL_S (shared.settings). What the streams' entries
+hold, and their consumer groups, is shared.streams'; the reservation counter's rules are shared.reservations'. The scheduler writes a
 request's events and finished record only to refuse it (shared.records).
 
 `fid` is a file id, `bid` a batch id. Files are kept until deleted (DELETE /v1/files/{id}). BATCH_TTL is
@@ -40,11 +41,6 @@ progress is deleted once its result files are written.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-SCHEDULER_GROUP = "scheduler"
-WORKER_GROUP = "worker"
-# Writers of the requests stream trim it to about this many entries (XADD MAXLEN ~), far more than ever wait.
-REQUESTS_STREAM_MAXLEN = 100_000
 
 
 @dataclass(frozen=True, slots=True)

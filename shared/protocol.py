@@ -234,9 +234,6 @@ class Heartbeat(WireModel):
     max_model_len: int
     # Blocks the prompts queued inside the worker will take when admitted (not yet allocated).
     waiting_blocks: int = 0
-    # The last inbox entry the worker has taken into its engine: assignments after it are not yet counted
-    # in free_blocks, so the scheduler keeps their blocks reserved.
-    inbox_last_id: str = "0-0"
     num_preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0
     prompt_tokens_total: int = 0

@@ -24,7 +24,7 @@ from scheduler_svc.queue import QueuedRequest, WaitingQueue
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
 from shared.errors import ErrorCode
-from shared.keys import SCHEDULER_GROUP, Keys
+from shared.keys import Keys
 from shared.protocol import (
     Assignment,
     GenerateRequest,
@@ -37,6 +37,8 @@ from shared.protocol import (
     encode,
 )
 from shared.records import parse_ends
+from shared.reservations import give_back
+from shared.streams import SCHEDULER_GROUP, next_stream_id, queue_request
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16
@@ -77,7 +79,7 @@ def make_request(
 
 def submit(client: redis.Redis, keys: Keys, request: GenerateRequest) -> str:
     """What the gateway does."""
-    return str(client.xadd(keys.requests, {"data": encode(request)}))
+    return str(queue_request(client, keys.requests, request))
 
 
 def heartbeat(
@@ -86,7 +88,6 @@ def heartbeat(
     wid: str,
     free: int = 100,
     total: int = 100,
-    inbox_last_id: str = "0-0",
     num_running: int = 0,
     waiting_blocks: int = 0,
     max_model_len: int = 4096,
@@ -101,7 +102,6 @@ def heartbeat(
         num_running=num_running,
         num_waiting=0,
         waiting_blocks=waiting_blocks,
-        inbox_last_id=inbox_last_id,
         last_step_time=time.time(),
         started_at=time.time(),
         max_model_len=max_model_len,
@@ -162,10 +162,9 @@ def take_in(
     leave the reservation counter as they enter its free and waiting blocks; the entries leave the inbox."""
     entries = inbox(client, keys, wid)[:count]
     last = entries[-1][0]
-    client.decrby(keys.reserved(wid), sum(a.reserved_blocks for _, a in entries))
-    heartbeat(client, keys, wid, free=free, total=total, inbox_last_id=last, waiting_blocks=waiting_blocks)
-    ms, seq = last.split("-")
-    client.xtrim(keys.inbox(wid), minid=f"{ms}-{int(seq) + 1}", approximate=False)
+    give_back(client, keys, wid, sum(a.reserved_blocks for _, a in entries))
+    heartbeat(client, keys, wid, free=free, total=total, waiting_blocks=waiting_blocks)
+    client.xtrim(keys.inbox(wid), minid=next_stream_id(last), approximate=False)
 
 
 def reserved(client: redis.Redis, keys: Keys, wid: str) -> int:

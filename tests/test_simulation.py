@@ -18,11 +18,12 @@ from gpu_worker.engine.sampling_params import SamplingParams
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.simulation import SimulatedWorkers, StepTime, next_token, simulated_engine
 from shared.keys import Keys
-from shared.protocol import GenerateRequest, encode
+from shared.protocol import GenerateRequest
 from shared.records import parse_ends, parse_tokens
 from shared.redis_client import connect
 from shared.registry import WorkerRegistry
 from shared.sampling import SamplingSpec
+from shared.streams import queue_request
 
 FAST = StepTime(fixed_s=0.002, per_token_s=0.00001)
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ def submit(client: redis.Redis, keys: Keys, rid: str, prompt: list[int], max_tok
     request = GenerateRequest(
         request_id=rid, prompt_token_ids=prompt, sampling=spec, arrival_time=time.time()
     )
-    client.xadd(keys.requests, {"data": encode(request)})
+    queue_request(client, keys.requests, request)
 
 
 def wait_until_done(client: redis.Redis, keys: Keys, rids: list[str], timeout: float = 60) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Literal
@@ -24,7 +23,7 @@ from gateway.batch.lines import Line, LineContext, LineRun, is_success
 from gateway.serving.batch_files import FileStore, custom_id_of, read_lines
 from gateway.serving.batch_records import BatchRecord
 from shared.errors import CodedError, ErrorCode
-from shared.keys import Keys
+from shared.streams import Lease
 
 logger = logging.getLogger(__name__)
 
@@ -33,40 +32,6 @@ LEASE_S = 10.0
 # How often the run looks at the batch's record (cancel) and renews its lease.
 POLL_S = 0.5
 MAX_LINE_CRASHES = 3
-
-# KEYS[1] the lease; ARGV[1] the holder's token, ARGV[2] the lease in ms. Extends the lease if the token
-# still holds it (renew, ARGV[2] > 0) or lets it go (release, ARGV[2] = 0): 1 when the token held it.
-_LEASE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if tonumber(ARGV[2]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) else redis.call('DEL', KEYS[1]) end
-return 1
-"""
-
-
-class Lease:
-    """Who runs a batch now: a key with a TTL, held while it is renewed."""
-
-    def __init__(self, client: redis.Redis, keys: Keys, batch_id: str) -> None:
-        self._client = client
-        self._key = keys.batch_lease(batch_id)
-        self._token = uuid.uuid4().hex
-        self._script = client.register_script(_LEASE)
-        self._renewed_at = 0.0
-
-    def acquire(self) -> bool:
-        self._renewed_at = time.monotonic()
-        return bool(self._client.set(self._key, self._token, nx=True, px=int(LEASE_S * 1000)))
-
-    def renew(self) -> bool:
-        """Extend the lease (at most once a second); whether it is still this run's."""
-        now = time.monotonic()
-        if now - self._renewed_at < 1.0:
-            return True
-        self._renewed_at = now
-        return bool(self._script(keys=[self._key], args=[self._token, int(LEASE_S * 1000)]))
-
-    def release(self) -> None:
-        self._script(keys=[self._key], args=[self._token, 0])
 
 
 def read_batch_lines(files: FileStore, file_id: str) -> list[Line]:
@@ -91,7 +56,7 @@ class BatchRunner:
             return "gone"
         if record.ended:
             return "ended"
-        lease = Lease(self._ctx.client, self._store.keys, batch_id)
+        lease = Lease(self._ctx.client, self._store.keys.batch_lease(batch_id), LEASE_S, holder="batch")
         if not lease.acquire():
             return "busy"
         try:
@@ -157,7 +122,7 @@ class BatchRunner:
         return reason
 
     def _stop_reason(self, record: BatchRecord, lease: Lease, started: float) -> str:
-        if not lease.renew():
+        if not lease.renew(every_s=1.0):
             return "lost"
         now = time.time()
         latest = self._store.get(record.id)

@@ -20,8 +20,9 @@ from gateway.serving.token_receiver import GenerationError, SampleTokens, TokenR
 from gateway.serving.tokenization import Tokenizer
 from gateway.serving.worker_watch import WorkerWatch
 from shared.errors import ErrorCode
-from shared.keys import REQUESTS_STREAM_MAXLEN, Keys
+from shared.keys import Keys
 from shared.protocol import AbortMessage, GenerateRequest, encode
+from shared.streams import queue_request
 
 logger = logging.getLogger(__name__)
 
@@ -171,12 +172,7 @@ class Generation:
         pipe.set(
             self._keys.request_meta(rid), encode(self.prepared.meta(owner)), ex=self._limits.request_ttl_s
         )
-        pipe.xadd(
-            self._keys.requests,
-            {"data": encode(self.request)},
-            maxlen=REQUESTS_STREAM_MAXLEN,
-            approximate=True,
-        )
+        queue_request(pipe, self._keys.requests, self.request)
         if own:
             pipe.execute()
 
