@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gpu_worker import block_allocator as ba
+from gpu_worker.engine import block_allocator as ba
 from gpu_worker.engine.block_allocator import BlockAllocator
 
 BS = 4
