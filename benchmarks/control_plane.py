@@ -49,13 +49,13 @@ from shared.keys import Keys
 from shared.protocol import (
     QUEUE_TIME_BUCKETS_S,
     GenerateRequest,
-    SamplingSpec,
     SchedulerStats,
     TokenEvent,
     decode,
 )
 from shared.redis_client import connect
 from shared.registry import WorkerRegistry
+from shared.sampling import SamplingSpec
 from shared.streams import queue_request
 
 ROOT = Path(__file__).resolve().parent.parent

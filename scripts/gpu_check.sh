@@ -37,7 +37,7 @@ fi
 status=0
 "$PY" -m kernels.build 2>&1 | tee "$OUT/build.log" || status=1
 if [ "$status" -eq 0 ]; then
-  "$PY" -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests/test_kernels_cuda.py 2>&1 \
+  "$PY" -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests/kernels/test_kernels_cuda.py 2>&1 \
     | tee "$OUT/pytest.log" || status=1
   "$PY" benchmarks/kernel_bench.py --json "$OUT/kernel_bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
 fi

@@ -1,8 +1,8 @@
 """Error codes: one enum for every failure a client can see, whichever service noticed it.
 
 A code travels with the error everywhere (exceptions, token events, the finished record); the gateway turns
-it into an HTTP status and an OpenAI error type through one table (`gateway.errors.HTTP_ERRORS`). Nothing
-ever infers a code or a status from the words of a message.
+it into an HTTP status and an OpenAI error type through one table (`gateway.serving.errors.HTTP_ERRORS`).
+Nothing ever infers a code or a status from the words of a message.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model (converted once), and a tiny random Llama that loads in a blink."""
+"""Fixtures every folder's tests share: a real Redis under a key prefix of the test's own, the default model
+(converted once), a tiny random Llama that loads in a blink, its tokenizers, and an engine on it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,13 +17,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import redis
-from cluster import free_port, start_redis_server
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+from gateway.serving.tokenization import Tokenizer, load_tokenizer
+from gpu_worker import LLM
 from gpu_worker.engine.model_loader import resolve_model_path
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
 from shared.keys import Keys
+from tests.support.cluster import free_port, start_redis_server
 
 # Large enough weights that the random model's next-token distribution is peaked: greedy comparisons
 # against transformers then never hinge on a near-tie decided by rounding.
@@ -130,3 +134,29 @@ def scheduler(redis_url: str, redis_prefix: str) -> Iterator[SchedulerService]:
 def keys(redis_prefix: str) -> Keys:
     """The key names under this test's own prefix."""
     return Keys(redis_prefix)
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    """A client of the tests' Redis whose replies are str (the services' own clients decode them too)."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def tok(tiny_model_path: str) -> Tokenizer:
+    """The tiny model's tokenizer as the gateway holds it."""
+    return load_tokenizer(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_model_path: str) -> Any:
+    """The tiny model's tokenizer as transformers loads it."""
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_path: str) -> LLM:
+    """An engine in this process on the tiny model, in fp32: the reference a service's output must equal."""
+    return LLM(tiny_model_path, dtype="float32", num_kv_blocks=128, block_size=16)

@@ -7,7 +7,7 @@ On SmolLM2 (2 threads) fp32 decode steps run 1.2 to 1.7x faster from 1 to 64 seq
 faster (`benchmarks/roofline.py`); the LM head alone 1.8 to 4x (`benchmarks/cpu_kernel_bench.py`).
 
 Only the summation order changes, as with any BLAS; fp32 greedy output still equals transformers'
-(`tests/test_golden.py`).
+(`tests/gpu_worker/engine/test_golden.py`).
 """
 
 from __future__ import annotations
