@@ -1,16 +1,12 @@
-"""Smoke runs of the benchmarks on the tiny random model: they run, and their JSON makes sense."""
+"""Smoke runs of the benchmarks in this process, on the tiny random model: they run, their JSON makes sense."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import redis
-import requests
 import torch
 
 from tests.support import REPO
@@ -22,7 +18,6 @@ import memory
 import offline
 import profile_steps
 import roofline
-import serving
 import vs_vllm
 from workloads import ModelShape, make_workload
 
@@ -146,90 +141,6 @@ def test_memory_smoke(tiny_model_path: str, tmp_path: Path) -> None:
     assert summary["peak_allocated_slots"] <= results["capacity_slots"]
 
 
-def test_offline_throughput_smoke(tiny_model_path: str, tmp_path: Path) -> None:
-    out = tmp_path / "throughput.json"
-    script = REPO / "benchmarks" / "offline_throughput.py"
-    subprocess.run(
-        [sys.executable, str(script), "--model", tiny_model_path, "--num-prompts", "4", "--output", "4",
-         "--static-batch-sizes", "2", "--json", str(out)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"pagedserve", "static generate() batch=2"}
-    assert all(r["output_tokens_per_s"] > 0 for r in rows.values())
-    assert rows["static generate() batch=2"]["speedup_vs_best_static"] == 1.0
-
-
-def test_serving_one_command_smoke(
-    tiny_model_path: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """serving.main starts its own services with scripts/run.sh, measures both paths, and leaves nothing."""
-    monkeypatch.setenv("REDIS_URL", redis_url)
-    monkeypatch.setenv("NUM_KV_BLOCKS", "64")  # read by the worker and, from the same variable, the engine
-    monkeypatch.setenv("GATEWAY_WORKERS", "1")
-    # One thread in the services and in-process alike: two-thread steps crawl when the cores are busy.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    out, png = tmp_path / "serving.json", tmp_path / "serving.png"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        results = serving.main(
-            ["--model", tiny_model_path, "--num-prompts", "4", "--max-tokens", "4", "--input-len", "8", "16",
-             "--request-rates", "inf", "--concurrency", "2", "--json", str(out), "--plot", str(png)]
-        )  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
-    assert json.loads(out.read_text()) == results
-    assert png.stat().st_size > 0 and (tmp_path / "serving.log").stat().st_size > 0
-    assert results["num_kv_blocks"] == {"worker": 64, "offline": 64}
-    assert [row["scenario"] for row in results["scenarios"]] == ["rate inf", "concurrency 2"]
-    for row in results["scenarios"]:
-        for path in ("gateway", "offline"):
-            assert row[path]["num_failed"] == 0 and row[path]["num_output_tokens"] == 4 * 4
-            itl = row[path]["itl_ms"]
-            assert 0 < itl["p50"] <= itl["p90"] <= itl["p99"]
-    # The services are gone, and so is every key under their prefix.
-    with pytest.raises(requests.ConnectionError):
-        requests.get(f"{results['url']}/health", timeout=2)
-    assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{results['redis_prefix']}:*"))
-
-
-def test_batch_latency_smoke(
-    tiny_model_path: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """batch_latency.main starts its own services (with a batch worker), runs both phases, leaves nothing."""
-    import batch_latency
-
-    monkeypatch.setenv("REDIS_URL", redis_url)
-    monkeypatch.setenv("NUM_KV_BLOCKS", "64")
-    monkeypatch.setenv("GATEWAY_WORKERS", "1")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two-thread steps crawl when the cores are busy
-    out, png = tmp_path / "batch_latency.json", tmp_path / "batch_latency.png"
-    results = batch_latency.main(
-        ["--model", tiny_model_path, "--duration-s", "3", "--clients", "2", "--batch-lines", "20",
-         "--batch-max-tokens", "8", "--max-tokens", "8", "--batch-timeout-s", "60", "--json", str(out),
-         "--plot", str(png)]
-    )  # fmt: skip
-    assert json.loads(out.read_text()) == results
-    assert png.stat().st_size > 0 and (tmp_path / "batch_latency.log").stat().st_size > 0
-    for phase in ("no_batch", "with_batch"):
-        assert results[phase]["requests"] > 0 and results[phase]["failed"] == 0
-        ttft = results[phase]["ttft_ms"]
-        assert 0 < ttft["p50"] <= ttft["p99"]
-    batch = results["batch"]
-    assert batch["status"] == "completed" and batch["lines"] == 20 and batch["completed"] == 20
-    assert batch["seconds"] > 0 and batch["lines_per_s"] > 0
-    progress = batch["progress"]
-    assert progress and progress[-1][1] == 20
-    for before, after in itertools.pairwise(progress):
-        assert before[0] < after[0] and before[1] <= after[1] and before[2] <= after[2]
-    assert results["ttft_p50_ratio"] > 0 and isinstance(results["target_met"], bool)
-    # The services are gone, and so is every key under their prefix.
-    with pytest.raises(requests.ConnectionError):
-        requests.get(f"{results['url']}/health", timeout=2)
-    assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{results['redis_prefix']}:*"))
-
-
 def test_profile_steps_smoke(tiny_model_path: str, tmp_path: Path) -> None:
     out, png = tmp_path / "profile.json", tmp_path / "profile.png"
     results = profile_steps.main(
@@ -258,25 +169,6 @@ def test_cpu_kernel_bench_smoke(tmp_path: Path) -> None:
     assert [(r["batch"], r["context"]) for r in results["attention"]] == [(1, 20), (3, 20)]
     assert all(r["kernel_ms"] > 0 and r["twin_ms"] > 0 for r in results["attention"])
     assert [r["rows"] for r in results["lm_head"]] == [1, 4]
-
-
-def test_control_plane_smoke(tmp_path: Path) -> None:
-    """The control-plane benchmark end to end, small: real scheduler and gateway, simulated workers."""
-    import control_plane
-
-    out, png = tmp_path / "cp.json", tmp_path / "cp.png"
-    results = control_plane.main(
-        ["--workers", "4", "--requests", "200", "--rates", "100", "--paced-s", "1", "--streams", "16",
-         "--stream-workers", "4", "--stream-tokens", "8", "--step-ms", "30", "--kill-after-s", "0.3",
-         "--json", str(out), "--plot", str(png)]
-    )  # fmt: skip
-    assert json.loads(out.read_text())["streams"]["streams"] == 16 and png.stat().st_size > 0
-    for row in results["admission"]:
-        assert row["lost"] == row["duplicated"] == 0 and row["admissions_per_s"] > 0
-        assert sum(row["queue_time_buckets"][:-1]) >= 0 and row["queue_time_buckets"][-1] == row["requests"]
-    streams = results["streams"]
-    assert streams["errors"] == streams["incomplete"] == 0  # one of two worker processes was killed
-    assert streams["itl_gateway_ms"][50] > 0 and streams["itl_direct_ms"][50] > 0
 
 
 def test_beam_memory_smoke(tiny_model_path: str, tmp_path: Path) -> None:

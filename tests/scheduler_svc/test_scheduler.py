@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from typing import Any, cast
@@ -23,9 +18,6 @@ from scheduler_svc.settings import SchedulerSettings
 from shared.errors import ErrorCode
 from shared.keys import Keys
 from shared.protocol import (
-    Assignment,
-    GenerateRequest,
-    Heartbeat,
     SampleEnd,
     SchedulerStats,
     TokenEvent,
@@ -33,13 +25,17 @@ from shared.protocol import (
     encode,
 )
 from shared.records import parse_ends
-from shared.reservations import give_back
-from shared.sampling import SamplingSpec
-from shared.streams import SCHEDULER_GROUP, next_stream_id, queue_request
-from tests.support import REPO
-
-BLOCK_SIZE = 16
-_arrival = itertools.count(1)
+from tests.support.scheduler_stage import (
+    BLOCK_SIZE,
+    heartbeat,
+    inbox,
+    inbox_rids,
+    make_request,
+    num_pending,
+    reserved,
+    submit,
+    take_in,
+)
 
 
 def make_settings(redis_url: str, prefix: str, **overrides: Any) -> SchedulerSettings:
@@ -52,68 +48,6 @@ def make_service(
     redis_url: str, prefix: str, consumer: str = "sched-a", **overrides: Any
 ) -> SchedulerService:
     return SchedulerService(make_settings(redis_url, prefix, **overrides), consumer=consumer)
-
-
-def make_request(
-    rid: str, num_blocks: int = 1, priority: int = 0, n: int = 1, arrival_time: float | None = None
-) -> GenerateRequest:
-    """A request whose prompt fills `num_blocks` blocks exactly."""
-    return GenerateRequest(
-        request_id=rid,
-        prompt_token_ids=list(range(num_blocks * BLOCK_SIZE)),
-        sampling=SamplingSpec(n=n, max_tokens=8),
-        priority=priority,
-        arrival_time=next(_arrival) if arrival_time is None else arrival_time,
-    )
-
-
-def submit(r: redis.Redis, keys: Keys, request: GenerateRequest) -> str:
-    """What the gateway does."""
-    return str(queue_request(r, keys.requests, request))
-
-
-def heartbeat(
-    r: redis.Redis,
-    keys: Keys,
-    wid: str,
-    free: int = 100,
-    total: int = 100,
-    num_running: int = 0,
-    waiting_blocks: int = 0,
-    max_model_len: int = 4096,
-) -> None:
-    """What a worker does every heartbeat interval (a TTL long enough to outlive the test)."""
-    hb = Heartbeat(
-        worker_id=wid,
-        model="tiny",
-        free_blocks=free,
-        total_blocks=total,
-        block_size=BLOCK_SIZE,
-        num_running=num_running,
-        num_waiting=0,
-        waiting_blocks=waiting_blocks,
-        last_step_time=time.time(),
-        started_at=time.time(),
-        max_model_len=max_model_len,
-    )
-    pipe = r.pipeline()
-    pipe.hset(keys.worker(wid), mapping=hb.to_hash())  # type: ignore[arg-type]
-    pipe.expire(keys.worker(wid), 60)
-    pipe.sadd(keys.workers, wid)
-    pipe.execute()
-
-
-def inbox(r: redis.Redis, keys: Keys, wid: str) -> list[tuple[str, Assignment]]:
-    entries = cast(list[tuple[str, dict[str, str]]], r.xrange(keys.inbox(wid)))
-    return [(entry_id, decode(Assignment, fields["data"])) for entry_id, fields in entries]
-
-
-def inbox_rids(r: redis.Redis, keys: Keys, wid: str) -> list[str]:
-    return [a.request.request_id for _, a in inbox(r, keys, wid)]
-
-
-def num_pending(r: redis.Redis, keys: Keys) -> int:
-    return int(r.xpending(keys.requests, SCHEDULER_GROUP)["pending"])
 
 
 def test_priority_then_arrival_order(redis_url: str, redis_prefix: str, r: redis.Redis, keys: Keys) -> None:
@@ -139,22 +73,6 @@ def test_head_of_line_is_not_skipped(redis_url: str, redis_prefix: str, r: redis
     svc.step()
     assert inbox_rids(r, keys, "w1") == ["big"]
     assert [e.request.request_id for e in svc.queue] == ["small"]
-
-
-def take_in(
-    r: redis.Redis, keys: Keys, wid: str, count: int, free: int, total: int = 10, waiting_blocks: int = 0
-) -> None:
-    """What a worker's heartbeat says after it takes in the first count entries of its inbox: their blocks
-    leave the reservation counter as they enter its free and waiting blocks; the entries leave the inbox."""
-    entries = inbox(r, keys, wid)[:count]
-    last = entries[-1][0]
-    give_back(r, keys, wid, sum(a.reserved_blocks for _, a in entries))
-    heartbeat(r, keys, wid, free=free, total=total, waiting_blocks=waiting_blocks)
-    r.xtrim(keys.inbox(wid), minid=next_stream_id(last), approximate=False)
-
-
-def reserved(r: redis.Redis, keys: Keys, wid: str) -> int:
-    return int(r.get(keys.reserved(wid)) or 0)
 
 
 def test_admission_counts_reservations_waiting_blocks_and_watermark(
@@ -491,45 +409,3 @@ def test_plan_never_overcommits_and_admits_a_prefix(sizes: list[int], available:
         assert used <= max(a, 0)
     if len(decisions) < len(sizes):  # the next one fits nowhere in what is left
         assert all(sizes[len(decisions)] > room.available_blocks for room in rooms)
-
-
-def test_help_lists_environment_names() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "scheduler_svc", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    for name in ("REDIS_URL", "REDIS_PREFIX", "WATERMARK_BLOCKS", "POLL_INTERVAL_S", "CLAIM_IDLE_S"):
-        assert name in out
-
-
-def test_service_process_assigns_and_stops_on_sigterm(
-    redis_url: str, redis_prefix: str, r: redis.Redis, keys: Keys
-) -> None:
-    env = {**os.environ, "REDIS_URL": redis_url, "REDIS_PREFIX": redis_prefix, "POLL_INTERVAL_S": "0.02"}
-    heartbeat(r, keys, "w1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_svc"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        submit(r, keys, make_request("over-the-wire"))
-        deadline = time.monotonic() + 15
-        while not inbox_rids(r, keys, "w1") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert inbox_rids(r, keys, "w1") == ["over-the-wire"]
-        assert r.exists(keys.scheduler_stats)
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, output
-    assert "stopped" in output
