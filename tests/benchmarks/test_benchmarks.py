@@ -1,4 +1,4 @@
-"""Smoke runs of the benchmarks in this process, on the tiny random model: they run, their JSON makes sense."""
+"""Smoke runs of the benchmarks in this process, on the tiny model: they run, their JSON makes sense."""
 
 from __future__ import annotations
 
