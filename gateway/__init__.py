@@ -1,1 +1,3 @@
-"""The OpenAI-compatible REST gateway: Flask under gunicorn, tokenization, stop strings, SSE streaming."""
+"""The REST gateway (`python -m gateway`): OpenAI's API over HTTP, Flask under gunicorn, SSE, auth, errors as
+HTTP responses and /metrics. The request layer it runs requests through is gateway.serving; the batch workers
+that run the Batch API's batches are gateway.batch."""

@@ -1,5 +1,3 @@
-"""The Batch API: OpenAI's files and batches on the gateway (api), run by Celery batch workers (worker).
-
-A batch's lines go into the same requests stream as interactive traffic, at a lower priority; the batch
-workers are clients of that stream as the gateway is, and share its request preparation and response shapes.
-"""
+"""The batch workers (`python -m gateway.batch`): Celery workers that run the Batch API's batches line by line
+through the request layer (gateway.serving), with no HTTP stack; and the batch CLI (`python -m
+gateway.batch.cli`), a client of the API."""
