@@ -128,6 +128,25 @@ def test_the_boundary_check_finds_an_import_inside_a_function(tmp_path: Path) ->
     assert not forbidden("gateway.serving.prepare", RULES["gateway/batch"])
 
 
+def test_no_test_module_imports_another() -> None:
+    """Tests share code through tests/support/ and fixtures through conftest.py files, never by importing a
+    test module (or anything of tests/ by a bare name, as pytest's rootdir on sys.path would allow)."""
+    own = {p.stem for p in (ROOT / "tests").rglob("*.py")}
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(found)
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if (
+            found := {
+                name
+                for name in imported_modules(path)
+                if (name.startswith("tests.") and not name.startswith("tests.support"))
+                or name.partition(".")[0] in own
+            }
+        )
+    }
+    assert not offenders
+
+
 @pytest.mark.parametrize("module", sorted(TRANSITIVE))
 def test_what_a_library_imports_in_turn_stays_within_its_rules(module: str) -> None:
     probe = (
