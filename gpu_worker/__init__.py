@@ -2,28 +2,5 @@
 publishing tokens after every step. The engine it runs is the library in gpu_worker.engine, whose offline API
 is re-exported here: `from gpu_worker import LLM, SamplingParams`."""
 
-from gpu_worker.engine import (
-    LLM,
-    BeamSearchOutput,
-    BeamSearchParams,
-    BeamSearchSequence,
-    CompletionOutput,
-    EngineConfig,
-    EngineStats,
-    LLMEngine,
-    RequestOutput,
-    SamplingParams,
-)
-
-__all__ = [
-    "LLM",
-    "BeamSearchOutput",
-    "BeamSearchParams",
-    "BeamSearchSequence",
-    "CompletionOutput",
-    "EngineConfig",
-    "EngineStats",
-    "LLMEngine",
-    "RequestOutput",
-    "SamplingParams",
-]
+from gpu_worker.engine import *  # noqa: F403 - the offline API, exactly as the engine exports it
+from gpu_worker.engine import __all__ as __all__
