@@ -86,13 +86,7 @@ class Gateway:
             grace_s=settings.resume_grace_s,
             ttl_s=settings.request_ttl_s,
         )
-        self.limits = Limits(
-            timeout_s=settings.request_timeout_s,
-            tick_s=settings.sse_heartbeat_s,
-            request_ttl_s=settings.request_ttl_s,
-            no_worker_grace_s=settings.no_worker_grace_s,
-            redis_outage_grace_s=settings.redis_outage_grace_s,
-        )
+        self.limits = Limits.of(settings, tick_s=settings.sse_heartbeat_s)
 
     def authenticate(self) -> None:
         if not self.api_keys or request.path in PUBLIC_PATHS:

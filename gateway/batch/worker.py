@@ -51,13 +51,7 @@ def runner() -> BatchRunner:
 def build_runner(settings: BatchSettings) -> BatchRunner:
     keys = settings.keys
     client = connect(settings.redis_url, client_name=f"{settings.redis_prefix}:batch")
-    limits = Limits(
-        timeout_s=settings.request_timeout_s,
-        tick_s=TICK_S,
-        request_ttl_s=settings.request_ttl_s,
-        no_worker_grace_s=settings.no_worker_grace_s,
-        redis_outage_grace_s=settings.redis_outage_grace_s,
-    )
+    limits = Limits.of(settings, tick_s=TICK_S)
     store = BatchStore(client, keys, settings.batch_retention_s)
     ctx = LineContext(
         client=client,

@@ -16,6 +16,7 @@ from gateway.serving.attachments import Attachments
 from gateway.serving.event_hub import EventHub
 from gateway.serving.output import SampleOutput
 from gateway.serving.prepare import Prepared
+from gateway.serving.settings import ClientSettings
 from gateway.serving.token_receiver import GenerationError, SampleTokens, TokenReceiver
 from gateway.serving.tokenization import Tokenizer
 from gateway.serving.worker_watch import WorkerWatch
@@ -47,6 +48,17 @@ class Limits:
     request_ttl_s: int
     no_worker_grace_s: float
     redis_outage_grace_s: float
+
+    @classmethod
+    def of(cls, settings: ClientSettings, tick_s: float) -> Limits:
+        """The limits a client of the requests stream (the gateway, a batch worker) is configured with."""
+        return cls(
+            timeout_s=settings.request_timeout_s,
+            tick_s=tick_s,
+            request_ttl_s=settings.request_ttl_s,
+            no_worker_grace_s=settings.no_worker_grace_s,
+            redis_outage_grace_s=settings.redis_outage_grace_s,
+        )
 
 
 class RequestObserver(Protocol):
