@@ -30,8 +30,8 @@ test runs can share one Redis. `rid` is a request id, `wid` a worker id, `i` a s
 | {p}:celery:*                 | Celery's own keys   | gateway, batch        | batch (Celery)       | Celery's      |
 
 HEARTBEAT_TTL is HEARTBEAT_TTL_S and REQUEST_TTL is REQUEST_TTL_S (shared.settings). What the streams' entries
-hold, and their consumer groups, is shared.streams'; the reservation counter's rules are shared.reservations'. The scheduler writes a
-request's events and finished record only to refuse it (shared.records).
+hold and their consumer groups are in shared.streams; the reservation counter's rules in shared.reservations.
+The scheduler writes a request's events and finished record only to refuse it (shared.records).
 
 `fid` is a file id, `bid` a batch id. Files are kept until deleted (DELETE /v1/files/{id}). BATCH_TTL is
 BATCH_RETENTION_S, set when a batch ends (the listing drops a batch whose record has gone); a batch's per-line

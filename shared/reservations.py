@@ -21,7 +21,8 @@ scheduler's margin (its WATERMARK_BLOCKS setting). The rules:
 2. A worker that takes entries from its inbox adds up their `blocks`; its next heartbeat, which counts them
    in free_blocks and waiting_blocks, takes the same sum off the counter (give_back) and trims the taken
    entries from the inbox, in one MULTI. Between the two, the blocks are counted exactly once.
-3. A reader clamps the counter at zero (a worker may give back after its counter was deleted).
+3. Readers clamp the counter at zero (a worker may give back after its counter was deleted): the admit
+   script, and the registry reader for the scheduler's view (shared.registry).
 4. When a worker is declared dead its inbox, assignments and counter are deleted together (failover); a
    worker that finds its inbox gone forgets what it had taken in (its counter went with it).
 
@@ -60,8 +61,9 @@ return entry
 
 
 def available_blocks(heartbeat: Heartbeat, reserved_blocks: int, watermark_blocks: int) -> int:
-    """The room ADMIT_SCRIPT checks against, as the scheduler's view computes it."""
-    return heartbeat.free_blocks - heartbeat.waiting_blocks - max(0, reserved_blocks) - watermark_blocks
+    """The room ADMIT_SCRIPT checks against, as the scheduler's view computes it (reserved_blocks as the
+    registry reads it, clamped at zero)."""
+    return heartbeat.free_blocks - heartbeat.waiting_blocks - reserved_blocks - watermark_blocks
 
 
 def give_back(pipe: Any, keys: Keys, worker_id: str, blocks: int) -> None:

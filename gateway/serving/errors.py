@@ -11,7 +11,6 @@ import re
 import pydantic
 
 from shared.errors import CodedError, ErrorCode
-from shared.sampling import SamplingProblem
 
 # code -> (HTTP status, OpenAI error type): the one place a failure's status is decided.
 HTTP_ERRORS: dict[ErrorCode, tuple[int, str]] = {
@@ -80,10 +79,9 @@ def from_validation_error(error: pydantic.ValidationError) -> APIError:
     errors = error.errors(include_url=False)
     # A value matching no member of a union yields one error per member: the deepest one says most.
     first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
-    param = _param_path(first["loc"])
-    problem = first.get("ctx", {}).get("error")
-    if isinstance(problem, SamplingProblem):  # options refused together: it names the parameter
-        param = problem.param
+    # A validator's own error may name the parameter at fault (shared.sampling's SamplingProblem does: a
+    # combination is refused by the model, whose location names no field).
+    param = getattr(first.get("ctx", {}).get("error"), "param", None) or _param_path(first["loc"])
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message = f"unknown parameter '{param}'"

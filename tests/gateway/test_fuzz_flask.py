@@ -24,9 +24,10 @@ from schemathesis.generation.modes import GenerationMode
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from shared.keys import Keys
-from shared.protocol import GenerateRequest, Heartbeat, TokenEvent, decode
+from shared.protocol import GenerateRequest, Heartbeat, TokenEvent
 from shared.records import push_event
 from shared.redis_client import connect
+from shared.streams import read_request
 
 EXAMPLES = 500  # per mode, over all operations
 
@@ -46,7 +47,7 @@ class Responder(threading.Thread):
             for _, entries in reply or []:
                 for entry_id, fields in entries:
                     last = entry_id
-                    self.answer(decode(GenerateRequest, fields["data"]))
+                    self.answer(read_request(fields))
 
     def answer(self, request: GenerateRequest) -> None:
         pipe = self.client.pipeline(transaction=False)

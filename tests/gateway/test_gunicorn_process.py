@@ -19,8 +19,8 @@ import requests
 from gateway.settings import GatewaySettings
 from shared.protocol import (
     GenerateRequest,
-    decode,
 )
+from shared.streams import read_request
 from tests.support import REPO
 from tests.support.gateway_app import (
     FakeWorker,
@@ -155,7 +155,7 @@ def test_gunicorn_notices_a_client_that_hangs_up(gunicorn_url, r, keys) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.02)
     (entry,) = r.xrange(keys.requests)  # type: ignore[misc]
-    rid = decode(GenerateRequest, entry[1]["data"]).request_id
+    rid = read_request(entry[1]).request_id
     deadline = time.monotonic() + 5
     while r.get(keys.abort_flag(rid)) is None:
         assert time.monotonic() < deadline, "the hang-up went unnoticed"

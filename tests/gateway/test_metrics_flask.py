@@ -20,9 +20,9 @@ from shared.protocol import (
     RequestTimings,
     SchedulerStats,
     TokenEvent,
-    decode,
 )
 from shared.records import push_event
+from shared.streams import read_request
 from tests.support.metrics import VLLM_NAMES
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -163,7 +163,7 @@ def test_a_finished_request_moves_the_request_histograms_by_its_figures(client, 
 
     def worker() -> None:
         reply = r.xread({keys.requests: "0"}, block=5000)
-        request = decode(GenerateRequest, reply[0][1][0][1]["data"])  # type: ignore[index]
+        request = read_request(reply[0][1][0][1])  # type: ignore[index]
         answer(r, keys, request, [11, 12, 13])
 
     thread = threading.Thread(target=worker, daemon=True)

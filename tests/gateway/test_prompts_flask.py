@@ -15,8 +15,8 @@ from shared.protocol import (
     GenerateRequest,
     SchedulerStats,
     WireError,
-    decode,
 )
+from shared.streams import read_request
 from tests.support.gateway_app import (
     CMPL,
     LONG,
@@ -152,7 +152,7 @@ def test_a_client_that_drops_a_stream_of_several_prompts_aborts_them_all_at_once
     client = make_app(resume_grace_s=30.0).test_client()
     response = client.post(CMPL, json={"prompt": PROMPTS[:2], "stream": True}, buffered=False)
     assert next(iter(response.response)) == b": keep-alive\n"  # the stream is open; no token will come
-    rids = [decode(GenerateRequest, entry[1]["data"]).request_id for entry in r.xrange(keys.requests)]  # type: ignore[union-attr]
+    rids = [read_request(entry[1]).request_id for entry in r.xrange(keys.requests)]  # type: ignore[union-attr]
     assert len(rids) == 2
     response.close()  # the client goes away: nobody resumes a prompt of several, so no grace
     wait_for(lambda: [r.get(keys.abort_flag(rid)) for rid in rids] == ["client_disconnect"] * 2, 2.0)

@@ -17,6 +17,7 @@ from shared.protocol import (
     encode,
 )
 from shared.sampling import SamplingSpec
+from shared.streams import read_request
 from tests.support.gateway_app import (
     CHAT,
     CMPL,
@@ -43,7 +44,7 @@ def test_a_client_that_drops_and_never_comes_back_is_aborted_after_the_grace(mak
     body = iter(response.response)
     assert b'"role":"assistant"' in next(body)  # the stream is open; no token will ever come
     (entry,) = r.xrange(keys.requests)  # type: ignore[misc]
-    rid = decode(GenerateRequest, entry[1]["data"]).request_id
+    rid = read_request(entry[1]).request_id
     response.close()  # the client goes away
     assert r.get(keys.abort_flag(rid)) is None  # not at once: it may come back
     waited = wait_for(lambda: r.get(keys.abort_flag(rid)) == "client_disconnect")

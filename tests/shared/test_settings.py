@@ -17,7 +17,6 @@ from scheduler_svc.settings import SchedulerSettings
 from shared.settings import CommonSettings, parse_settings
 from tests.support import REPO
 
-ROOT = REPO
 SERVICES = {
     "gateway": GatewaySettings,
     "gateway.batch": BatchSettings,
@@ -51,7 +50,7 @@ def docs_row(name: str) -> str:
 
 
 def test_the_manual_states_every_setting_as_the_code_does() -> None:
-    table = (ROOT / "docs" / "deployment.md").read_text().splitlines()
+    table = (REPO / "docs" / "deployment.md").read_text().splitlines()
     rows = {line for line in table if line.startswith("| `")}
     names = {name for cls in SERVICES.values() for name in cls.model_fields}
     for name in names:
@@ -59,14 +58,14 @@ def test_the_manual_states_every_setting_as_the_code_does() -> None:
 
 
 def test_compose_restarts_every_service() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     assert {name: s.get("restart") for name, s in compose["services"].items()} == dict.fromkeys(
         ["redis", *COMPOSE_SERVICES], "unless-stopped"
     )
 
 
 def test_compose_uses_only_known_settings() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     for service, cls in COMPOSE_SERVICES.items():
         environment = compose["services"][service]["environment"]
         unknown = set(environment) - env_names(cls)
@@ -76,7 +75,7 @@ def test_compose_uses_only_known_settings() -> None:
 @pytest.mark.parametrize("module", sorted(SERVICES))
 def test_help_lists_every_variable(module: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True, cwd=ROOT
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True, cwd=REPO
     ).stdout
     flat = " ".join(out.split())  # argparse wraps long help lines
     for name in env_names(SERVICES[module]):

@@ -29,11 +29,11 @@ from shared.protocol import (
     TokenEvent,
     TokenLogprob,
     WireError,
-    decode,
     encode,
 )
 from shared.records import push_event
 from shared.sampling import SamplingSpec
+from shared.streams import read_request
 
 TICK_S = 0.05
 CMPL = "/v1/completions"
@@ -124,7 +124,7 @@ class FakeWorker(threading.Thread):
                 for _, entries in reply or []:
                     for entry_id, fields in entries:
                         last = entry_id
-                        self.requests.append(decode(GenerateRequest, fields["data"]))
+                        self.requests.append(read_request(fields))
                         if not self.hold:
                             self.respond(self.requests[-1])
             if self.hold:

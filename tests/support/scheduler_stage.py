@@ -18,7 +18,7 @@ from shared.protocol import (
 )
 from shared.reservations import give_back
 from shared.sampling import SamplingSpec
-from shared.streams import SCHEDULER_GROUP, next_stream_id, queue_request
+from shared.streams import SCHEDULER_GROUP, next_stream_id, queue_request, read_inbox_entry
 
 _arrival = itertools.count(1)
 
@@ -77,7 +77,7 @@ def heartbeat(
 
 def inbox(r: redis.Redis, keys: Keys, wid: str) -> list[tuple[str, Assignment]]:
     entries = cast(list[tuple[str, dict[str, str]]], r.xrange(keys.inbox(wid)))
-    return [(entry_id, decode(Assignment, fields["data"])) for entry_id, fields in entries]
+    return [(entry_id, decode(Assignment, read_inbox_entry(fields)[0] or "")) for entry_id, fields in entries]
 
 
 def inbox_rids(r: redis.Redis, keys: Keys, wid: str) -> list[str]:
