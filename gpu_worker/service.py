@@ -19,6 +19,7 @@ from gpu_worker.request_table import ActiveRequest, RequestTable
 from gpu_worker.settings import WorkerSettings, engine_config
 from shared.backoff import Backoff
 from shared.errors import CodedError, ErrorCode
+from shared.health import StatusReporter
 from shared.protocol import (
     AbortMessage,
     Assignment,
@@ -56,6 +57,8 @@ class WorkerService:
         self.last_step_time = 0.0
         self.last_heartbeat = 0.0
         self.stopping = False
+        self.draining_since: float | None = None  # monotonic time of the SIGTERM that began a drain
+        self.drain_announced = False  # a heartbeat has said so: the admit script sends nothing new
         self.step_started: float | None = None  # monotonic start of the step in progress
         self._keep_alive_stop = threading.Event()
         self._stopped = threading.Event()  # set by SIGTERM/SIGINT: cuts a backoff wait short
@@ -103,8 +106,7 @@ class WorkerService:
         key = self.keys.worker(self.worker_id)
         ttl = max(1, int(self.settings.heartbeat_ttl_s + 0.999))
         while not self._keep_alive_stop.wait(self.settings.heartbeat_interval_s):
-            started = self.step_started
-            if started is not None and time.monotonic() - started > MAX_STEP_S:
+            if not self.step_alive():
                 continue
             try:
                 self.redis.expire(key, ttl)
@@ -124,6 +126,15 @@ class WorkerService:
         """
         keeper = threading.Thread(target=self.keep_alive, name="keep-alive", daemon=True)
         keeper.start()
+        status = None
+        if self.settings.status_file:
+            status = StatusReporter(
+                self.settings.status_file,
+                "worker",
+                self.worker_id,
+                state=lambda: "serving" if self.draining_since is None else "draining",
+                alive=self.step_alive,
+            ).start()
         try:
             while not self.stopping:
                 try:
@@ -136,6 +147,8 @@ class WorkerService:
         finally:
             self._keep_alive_stop.set()
             keeper.join()
+            if status is not None:
+                status.stop()
             with contextlib.suppress(redis.RedisError):
                 self.redis.delete(self.keys.worker(self.worker_id))
             self.aborts.close()
@@ -143,6 +156,19 @@ class WorkerService:
     def stop(self) -> None:
         self.stopping = True
         self._stopped.set()
+
+    def drain(self) -> None:
+        """Stop taking requests and finish those held, for up to drain_timeout_s; then stop (the rest move on
+        to other workers, as from any worker that stops)."""
+        if self.draining_since is None and self.settings.drain_timeout_s > 0:
+            self.draining_since = time.monotonic()
+        else:
+            self.stop()
+
+    def step_alive(self) -> bool:
+        """False once a step has run past MAX_STEP_S (taken as hung)."""
+        started = self.step_started
+        return started is None or time.monotonic() - started <= MAX_STEP_S
 
     def _wait_for_redis(self, error: redis.RedisError) -> None:
         if self._backoff.failures == 0:
@@ -153,7 +179,11 @@ class WorkerService:
         self._stopped.wait(self._backoff.next_delay())
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.stop()
+        """The first SIGTERM drains; a second one, or SIGINT, stops at once."""
+        if signum == signal.SIGTERM:
+            self.drain()
+        else:
+            self.stop()
 
     def run_once(self) -> None:
         """Take new work and aborts, run one engine step, publish its tokens; heartbeat when due.
@@ -183,6 +213,25 @@ class WorkerService:
         self.outbox.flush(self.redis)
         if taken or time.monotonic() - self.last_heartbeat >= self.settings.heartbeat_interval_s:
             self.heartbeat()
+        if self.draining_since is not None:
+            self._drain_step(taken, self.draining_since)
+
+    def _drain_step(self, taken: int, since: float) -> None:
+        """Announce the drain; stop once a read after the announcement found nothing and nothing is held, or
+        when drain_timeout_s has passed."""
+        if not self.drain_announced:
+            self.heartbeat()  # draining: from here on the admit script refuses this worker
+            self.drain_announced = True
+            logger.info(
+                "draining: %d requests held, up to %.0fs", len(self.active), self.settings.drain_timeout_s
+            )
+            return
+        if not taken and not self.engine.has_unfinished_requests() and not self.active and not self.outbox:
+            logger.info("drained: every request finished")
+            self.stop()
+        elif time.monotonic() - since >= self.settings.drain_timeout_s:
+            logger.warning("drain timed out: handing %d requests to other workers", len(self.active))
+            self.stop()
 
     # -- inbox and aborts ---------------------------------------------------------------------------
 
@@ -297,6 +346,7 @@ class WorkerService:
             iteration_tokens_sum=stats.iteration_tokens_sum,
             dtype=str(self.engine.dtype).removeprefix("torch."),
             device=str(self.engine.device),
+            draining=self.draining_since is not None,
         )
         key = self.keys.worker(self.worker_id)
         pipe = self.redis.pipeline(transaction=True)

@@ -7,24 +7,28 @@ place the two meet.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from gpu_worker.engine.config import EngineConfig
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, DrainSettings
 
 
-class WorkerSettings(CommonSettings, EngineConfig):
+class WorkerSettings(CommonSettings, DrainSettings, EngineConfig):
     """One engine process (one accelerator)."""
 
     model_config = SettingsConfigDict(
         extra="ignore", case_sensitive=False, protected_namespaces=(), validate_assignment=True
     )
 
+    # New for every start: a container restarted as pid 1 on the same host name must not take over the id
+    # (and the requests) of the process that died, which failover re-queues once its heartbeat lapses.
     worker_id: str = Field(
-        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}", description="unique worker name"
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
+        description="unique worker name (default: host-pid-random)",
     )
     device: str | None = Field(None, description="cuda, cuda:N or cpu (default: cuda when present)")
     dtype: str = Field(

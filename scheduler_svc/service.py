@@ -18,6 +18,7 @@ from scheduler_svc.reserve import Reserver
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.workers import WorkerView
 from shared.backoff import Backoff
+from shared.health import StatusReporter
 from shared.protocol import Assignment, SchedulerStats, WireError
 from shared.records import error_events, push_event
 from shared.redis_client import NamedPipeline, connect
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 READ_COUNT = 512  # entries per read of the requests stream
 STATS_INTERVAL_S = 0.5  # unchanged stats are rewritten this often, well inside their TTL
+# An iteration takes a poll interval, or a backoff pause while Redis is away: one older than this is stuck.
+LOOP_STALL_S = 60.0
 
 
 def default_consumer_name() -> str:
@@ -72,15 +75,30 @@ class SchedulerService:
         block_ms = max(1, round(self.settings.poll_interval_s * 1000))
         log.info("scheduler %s reading %s", self.consumer, self.keys.requests)
         backoff = Backoff()
-        while not self._stopping:
-            try:
-                self.step(block_ms)
-                backoff.reset()
-            except redis.RedisError as exc:
-                if backoff.failures == 0:
-                    log.warning("Redis unavailable (%s); resynchronizing once it is back", exc)
-                self._needs_resync = True
-                time.sleep(backoff.next_delay())
+        last_iteration = time.monotonic()
+        status = None
+        if self.settings.status_file:
+            status = StatusReporter(
+                self.settings.status_file,
+                "scheduler",
+                self.consumer,
+                state=lambda: "serving",
+                alive=lambda: time.monotonic() - last_iteration < LOOP_STALL_S,
+            ).start()
+        try:
+            while not self._stopping:
+                last_iteration = time.monotonic()
+                try:
+                    self.step(block_ms)
+                    backoff.reset()
+                except redis.RedisError as exc:
+                    if backoff.failures == 0:
+                        log.warning("Redis unavailable (%s); resynchronizing once it is back", exc)
+                    self._needs_resync = True
+                    time.sleep(backoff.next_delay())
+        finally:
+            if status is not None:
+                status.stop()
         log.info("scheduler %s stopped", self.consumer)
 
     def step(self, block_ms: int | None = None) -> None:

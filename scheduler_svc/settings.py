@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, StatusSettings
 
 
-class SchedulerSettings(CommonSettings):
+class SchedulerSettings(CommonSettings, StatusSettings):
     """The scheduler service."""
 
     watermark_blocks: int = Field(2, description="free blocks a worker keeps beyond an admitted prompt")

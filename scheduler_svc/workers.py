@@ -61,7 +61,10 @@ class WorkerView:
                 WorkerRoom(
                     worker_id=wid,
                     block_size=hb.block_size,
-                    available_blocks=available_blocks(hb, worker.reserved_blocks, watermark_blocks),
+                    # A draining worker keeps its place (what could fit somewhere) but takes nothing.
+                    available_blocks=0
+                    if hb.draining
+                    else available_blocks(hb, worker.reserved_blocks, watermark_blocks),
                     capacity_blocks=hb.total_blocks - watermark_blocks,
                     max_model_len=hb.max_model_len,
                     num_assigned=worker.num_assigned,

@@ -248,6 +248,8 @@ class Heartbeat(WireModel):
     iteration_tokens_sum: int = 0
     dtype: str = ""
     device: str = ""
+    # Stopping: it takes no new requests (the admit script refuses it) and finishes those it holds.
+    draining: bool = False
 
     def to_hash(self) -> dict[str, str]:
         return _to_hash(self)

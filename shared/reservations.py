@@ -23,7 +23,9 @@ scheduler's margin (its WATERMARK_BLOCKS setting). The rules:
    entries from the inbox, in one MULTI. Between the two, the blocks are counted exactly once.
 3. Readers clamp the counter at zero (a worker may give back after its counter was deleted): the admit
    script, and the registry reader for the scheduler's view (shared.registry).
-4. When a worker is declared dead its inbox, assignments and counter are deleted together (failover); a
+4. A draining worker (heartbeat `draining`: it was asked to stop) has no room: the script refuses it, so
+   from the heartbeat that says so on, its inbox gets nothing new.
+5. When a worker is declared dead its inbox, assignments and counter are deleted together (failover); a
    worker that finds its inbox gone forgets what it had taken in (its counter went with it).
 
 The blocks a request takes are GenerateRequest.num_blocks_for_prompt(block_size): its prompt and any tokens
@@ -44,9 +46,9 @@ ADMIT_SCRIPT = f"""
 -- ARGV[1] blocks to reserve   ARGV[2] watermark blocks   ARGV[3] most assignments a worker holds
 -- ARGV[4] the assignment (json)   ARGV[5] request id
 -- ARGV[6] the schedulers' consumer group   ARGV[7] the request's entry in the requests stream
--- Returns the inbox entry's id, or false when the worker is gone or has no room for the request now.
-local beat = redis.call('HMGET', KEYS[1], 'free_blocks', 'waiting_blocks')
-if not beat[1] then return false end
+-- Returns the inbox entry's id, or false when the worker is gone, draining or without room for the request.
+local beat = redis.call('HMGET', KEYS[1], 'free_blocks', 'waiting_blocks', 'draining')
+if not beat[1] or beat[3] == 'true' then return false end
 local reserved = math.max(0, tonumber(redis.call('GET', KEYS[2]) or '0'))
 local available = tonumber(beat[1]) - tonumber(beat[2] or '0') - reserved - tonumber(ARGV[2])
 if tonumber(ARGV[1]) > available then return false end

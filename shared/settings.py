@@ -35,7 +35,27 @@ class CommonSettings(BaseSettings):
         return Keys(self.redis_prefix)
 
 
-S = TypeVar("S", bound=CommonSettings)
+class StatusSettings(BaseSettings):
+    """A long-running process that health checks look at (the scheduler, a worker)."""
+
+    model_config = SettingsConfigDict(extra="ignore", case_sensitive=False, protected_namespaces=())
+
+    status_file: str = Field(
+        "", description="file the process writes its status to every second, for `python -m shared.health`"
+    )
+
+
+class DrainSettings(StatusSettings):
+    """A process that drains on SIGTERM (a worker), and `python -m shared.drain`, which waits for it."""
+
+    drain_timeout_s: float = Field(
+        30.0,
+        description="on SIGTERM, seconds to finish the requests held (taking no new ones) before the rest "
+        "are handed to other workers; 0: hand them over at once",
+    )
+
+
+S = TypeVar("S", bound=BaseSettings)
 
 
 def parse_settings(cls: type[S], argv: Sequence[str] | None = None, prog: str | None = None) -> S:

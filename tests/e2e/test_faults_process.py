@@ -1,5 +1,7 @@
 """Faults injected into the real processes: a Redis of the module's own that freezes, dies and comes back
-empty; workers that die. No service exits, and no request hangs: each finishes, or ends with a coded error."""
+(empty, or from its append-only file as deployed); workers that die. No service exits, and no request
+hangs: each finishes, or ends with a coded error; with a Redis that keeps its data, each finishes as it
+would have."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from tests.support.cluster import (
 
 PROMPT = "Paged attention stores the KV cache in blocks"
 MAX_TOKENS = 200
+DURABLE_RUNNING = 2  # requests the durable cluster's worker holds at once
 
 
 @dataclass
@@ -48,12 +51,14 @@ class FaultCluster:
     redis_proc: subprocess.Popen[bytes]
     redis_port: int
     redis_dir: Path
+    durable: bool = False
 
-    def restart_redis_empty(self, down_s: float) -> None:
+    def restart_redis(self, down_s: float) -> None:
+        """kill -9, then start again on the same port and folder: empty, or from its files when durable."""
         self.redis_proc.kill()
         self.redis_proc.wait()
         time.sleep(down_s)
-        self.redis_proc = start_redis_server(self.redis_port, self.redis_dir)
+        self.redis_proc = start_redis_server(self.redis_port, self.redis_dir, durable=self.durable)
 
     def assert_all_alive(self) -> None:
         dead = {name: p.returncode for name, p in self.cluster.processes.items() if p.poll() is not None}
@@ -95,6 +100,36 @@ def expected_text(tiny_model_path: str) -> str:
     llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def durable(
+    tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory, without_engine: dict[str, str]
+) -> Iterator[FaultCluster]:
+    """A cluster over a Redis with its append-only file, whose worker holds two requests at a time: the rest
+    wait in the scheduler's queue."""
+    port = free_port()
+    redis_dir = tmp_path_factory.mktemp("durable-redis")
+    proc = start_redis_server(port, redis_dir, durable=True)
+    env = service_env(
+        f"redis://127.0.0.1:{port}/0",
+        f"pagedserve-durable-{uuid.uuid4().hex[:8]}",
+        tiny_model_path,
+        free_port(),
+        GATEWAY_WORKERS="1",
+        NUM_KV_BLOCKS="128",
+        MAX_RUNNING_PER_WORKER=str(DURABLE_RUNNING),
+        REDIS_OUTAGE_GRACE_S="30",
+    )
+    fault = None
+    try:
+        with running_cluster(
+            env, tmp_path_factory.mktemp("durable-logs"), ("w1",), without_engine
+        ) as cluster:
+            fault = FaultCluster(cluster, proc, port, redis_dir, durable=True)
+            yield fault
+    finally:
+        (fault.redis_proc if fault else proc).kill()
 
 
 @dataclass
@@ -171,7 +206,7 @@ def test_redis_restarted_empty_ends_streams_with_a_code_and_the_services_recover
     stream = start_stream(cluster)
     wait_for_tokens(stream, 10)
     killed_at = time.monotonic()
-    faults.restart_redis_empty(down_s=3)
+    faults.restart_redis(down_s=3)
     # In flight: it ends with an error event that names its code (the request's record went with Redis).
     assert stream.done.wait(60), "the stream hangs"
     assert [e["code"] for e in stream.errors] == ["queue_unavailable"], stream.errors
@@ -188,6 +223,27 @@ def test_redis_restarted_empty_ends_streams_with_a_code_and_the_services_recover
     )
     assert done.status == "completed" and done.request_counts.completed == 5, done
     faults.assert_all_alive()
+
+
+def test_redis_killed_and_restarted_from_its_files_loses_no_request(
+    durable: FaultCluster, expected_text: str
+) -> None:
+    cluster = durable.cluster
+    streams = [start_stream(cluster) for _ in range(3 * DURABLE_RUNNING)]
+    deadline = time.monotonic() + 60
+    while sum(len(s.text) >= 10 for s in streams) < DURABLE_RUNNING:
+        assert time.monotonic() < deadline, "no stream started"
+        time.sleep(0.02)
+    # Two stream, the rest wait in the scheduler's queue (the worker holds two at a time).
+    waiting = [s for s in streams if not s.text]
+    assert len(waiting) >= DURABLE_RUNNING, [len(s.text) for s in streams]
+    durable.restart_redis(down_s=3)
+    for stream in streams:
+        assert stream.done.wait(120), "a stream hangs"
+    # Each streamed and each queued request finishes with exactly the text it would have had.
+    assert [s.errors for s in streams] == [[]] * len(streams)
+    assert ["".join(s.text) for s in streams] == [expected_text] * len(streams)
+    durable.assert_all_alive()
 
 
 def test_with_no_worker_left_a_stream_ends_with_no_worker(faults: FaultCluster) -> None:

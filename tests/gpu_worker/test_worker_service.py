@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -354,3 +355,60 @@ def test_logit_bias_and_allowed_token_ids_reach_the_sampler(worker: WorkerServic
     assign(client, keys, request("oov", logit_bias={10**7: 1.0}))
     error = collect(worker, pubsub, 1)[-1].error
     assert error is not None and error.code is ErrorCode.INVALID_REQUEST and "logit_bias" in error.message
+
+
+def test_sigterm_drains_finishing_what_the_worker_holds_then_stops(
+    worker: WorkerService, offline: LLM
+) -> None:
+    client, keys = worker.redis, worker.keys
+    subs = {rid: subscribe(client, keys, rid) for rid in ("d1", "d2")}
+    assign(client, keys, request("d1", max_tokens=30))
+    worker.run_once()
+    worker._on_signal(signal.SIGTERM, None)
+    # Admitted before any heartbeat said "draining": still this worker's to serve.
+    assign(client, keys, request("d2", max_tokens=30))
+    assert not worker.stopping
+    assert beat_of(worker).draining
+    events = {rid: collect(worker, pubsub, 1) for rid, pubsub in subs.items()}
+    for rid, got in events.items():
+        assert [t for e in got for t in e.token_ids] == greedy(offline, PROMPT, 30), rid
+        assert got[-1].finish_reason == "length" and got[-1].error is None
+    deadline = time.monotonic() + 5
+    while not worker.stopping and time.monotonic() < deadline:
+        worker.run_once()
+    assert worker.stopping and not worker.active
+
+
+def test_a_drain_that_outlasts_its_timeout_stops_and_leaves_the_rest_to_other_workers(
+    worker: WorkerService,
+) -> None:
+    client, keys = worker.redis, worker.keys
+    worker.settings.drain_timeout_s = 0.3
+    pubsub = subscribe(client, keys, "d3")
+    assign(client, keys, request("d3", max_tokens=900))
+    worker.run_once()
+    worker.drain()
+    started = time.monotonic()
+    while not worker.stopping:
+        worker.run_once()
+        assert time.monotonic() - started < 5, "the drain did not time out"
+    assert time.monotonic() - started >= 0.3
+    # Nothing ended it: it stays in the assigned hash, where failover finds it once the heartbeat is gone.
+    finals = []
+    while (message := pubsub.get_message(timeout=0.01)) is not None:
+        if message["type"] == "message":
+            finals += [e for e in [decode(TokenEvent, message["data"])] if e.finish_reason or e.error]
+    assert finals == []
+    assert client.hexists(keys.assigned("w1"), "d3")
+    worker.table.abort("d3")  # the fixture's teardown wants a drained engine
+    worker.run_once()
+
+
+def test_without_a_drain_timeout_sigterm_stops_at_once(worker: WorkerService) -> None:
+    worker.settings.drain_timeout_s = 0
+    worker._on_signal(signal.SIGTERM, None)
+    assert worker.stopping
+    worker.stopping = False
+    worker.settings.drain_timeout_s = 30
+    worker._on_signal(signal.SIGINT, None)
+    assert worker.stopping

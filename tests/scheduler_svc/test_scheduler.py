@@ -13,11 +13,13 @@ from hypothesis import strategies as st
 from scheduler_svc.admission import Admit, WorkerRoom, plan_admissions
 from scheduler_svc.failover import resume_request
 from scheduler_svc.queue import QueuedRequest, WaitingQueue
+from scheduler_svc.reserve import Reserver
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
 from shared.errors import ErrorCode
 from shared.keys import Keys
 from shared.protocol import (
+    Assignment,
     SampleEnd,
     SchedulerStats,
     TokenEvent,
@@ -188,6 +190,32 @@ def test_max_running_per_worker(redis_url: str, redis_prefix: str, r: redis.Redi
     r.hdel(keys.assigned("w1"), "a")  # the worker finished "a"
     svc.step()
     assert inbox_rids(r, keys, "w1") == ["a", "b"]
+
+
+def test_a_draining_worker_gets_nothing_new(
+    redis_url: str, redis_prefix: str, r: redis.Redis, keys: Keys
+) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    heartbeat(r, keys, "w1", draining=True)
+    heartbeat(r, keys, "w2", free=10, total=10)
+    for rid in "abc":
+        submit(r, keys, make_request(rid))
+    svc.step()
+    svc.step()
+    assert inbox_rids(r, keys, "w1") == []
+    assert inbox_rids(r, keys, "w2") == ["a", "b", "c"]
+    # The admit script itself refuses it, whatever a scheduler's view of the rooms said when it planned.
+    reserver = Reserver(r, keys, watermark_blocks=0, max_assigned=10)
+    assignment = Assignment(worker_id="w1", request=make_request("d"), reserved_blocks=1)
+    pipe = r.pipeline()
+    reserver.admit(pipe, assignment, "0-1")
+    assert pipe.execute() == [None]
+    assert not r.hexists(keys.assigned("w1"), "d")
+    heartbeat(r, keys, "w1")  # a new process under the same id
+    submit(r, keys, make_request("d"))
+    svc.step()
+    svc.step()
+    assert inbox_rids(r, keys, "w1") == ["d"]
 
 
 def test_restart_same_consumer_rereads_pending(

@@ -33,13 +33,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_redis_server(port: int, workdir: Path) -> subprocess.Popen[bytes]:
-    """A redis-server of the test's own (no persistence) on port, answering when this returns."""
+# How compose, `make run` and Kubernetes run Redis: every write in the append-only file, fsynced each second.
+DURABLE_REDIS = ("--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy", "noeviction")
+
+
+def start_redis_server(port: int, workdir: Path, durable: bool = False) -> subprocess.Popen[bytes]:
+    """A redis-server of the test's own on port, answering when this returns: keeping its data in workdir
+    (durable: as deployed) or nothing at all."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    persistence = DURABLE_REDIS if durable else ("--appendonly", "no")
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence]
         + ["--dir", str(workdir)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -53,6 +53,7 @@ def heartbeat(
     num_running: int = 0,
     waiting_blocks: int = 0,
     max_model_len: int = 4096,
+    draining: bool = False,
 ) -> None:
     """What a worker does every heartbeat interval (a TTL long enough to outlive the test)."""
     hb = Heartbeat(
@@ -67,6 +68,7 @@ def heartbeat(
         last_step_time=time.time(),
         started_at=time.time(),
         max_model_len=max_model_len,
+        draining=draining,
     )
     pipe = r.pipeline()
     pipe.hset(keys.worker(wid), mapping=hb.to_hash())  # type: ignore[arg-type]
