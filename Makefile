@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test lint check-compose run clean kernels bench-vllm
+.PHONY: install test lint check-compose compose-check run clean kernels bench-vllm
 
 # Every service's extra in one venv (pyproject.toml declares and pins them), plus benchmarks and tests.
 EXTRAS := serving,gateway,batch,cli,scheduler,worker,bench,dev
@@ -36,10 +36,20 @@ test: $(STAMP) lint check-compose
 	@command -v c++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
 	$(PY) -m pytest -q
 
-# Debian's docker-compose validates the compose file without a Docker engine.
+# Debian's docker-compose validates the compose files without a Docker engine: as a GPU host reads them
+# (docker-compose.yml with docker-compose.override.yml) and with the CPU override.
 check-compose:
 	@command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose)
-	docker-compose -f docker-compose.yml config -q
+	docker-compose config -q
+	docker-compose -f docker-compose.yml -f docker-compose.cpu.yml config -q
+
+# The images built and the suite started in real containers, then checked as an operator would
+# (docker/compose_check.py; not part of `make test`: it takes longer than CI allows). Starts a Docker daemon
+# when none answers; base images come from Debian's packages.
+compose-check: $(STAMP)
+	@command -v dockerd >/dev/null && command -v docker-compose >/dev/null && command -v debootstrap >/dev/null \
+		|| (apt-get update -qq && apt-get install -y -qq docker.io docker-compose debootstrap)
+	$(PY) docker/compose_check.py
 
 # Everything locally on the default model: Redis if none answers, scheduler, WORKERS workers, the gateway.
 run: $(STAMP)

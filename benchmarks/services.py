@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -60,7 +61,11 @@ class Services:
         self.url, self.redis_url, self.log = f"http://127.0.0.1:{port}", settings.redis_url, log
         self.keys, self.keys_left = Keys(f"pagedserve-bench-{uuid.uuid4().hex[:10]}"), dict[str, int]()
         env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "WORKERS": "1"}
-        env.update(REDIS_URL=settings.redis_url, REDIS_PREFIX=self.keys.prefix)
+        # The Redis run.sh starts when none answers keeps its files for this run only.
+        self._redis_dir = tempfile.TemporaryDirectory(prefix="pagedserve-redis-")
+        env.update(
+            REDIS_URL=settings.redis_url, REDIS_PREFIX=self.keys.prefix, REDIS_DATA_DIR=self._redis_dir.name
+        )
         if settings.model:
             env["MODEL"] = settings.model
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -99,3 +104,4 @@ class Services:
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
         self.keys_left = delete_keys(self.redis_url, self.keys)
+        self._redis_dir.cleanup()

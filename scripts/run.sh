@@ -56,9 +56,13 @@ if ! redis_answers; then
     fi
   fi
   redis_port=$("$PY" -c "import os, urllib.parse; print(urllib.parse.urlparse(os.environ['REDIS_URL']).port or 6379)")
-  echo "starting redis-server on port $redis_port"
-  supervise redis-server redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
-    --loglevel warning &
+  # As compose and Kubernetes run it: every write in the append-only file (fsynced every second) under
+  # REDIS_DATA_DIR, so a Redis that crashed comes back with every request; writes refused, not evicted, when full.
+  redis_dir=${REDIS_DATA_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/pagedserve/redis}
+  mkdir -p "$redis_dir"
+  echo "starting redis-server on port $redis_port (data in $redis_dir)"
+  supervise redis-server redis-server --port "$redis_port" --bind 127.0.0.1 --dir "$redis_dir" \
+    --appendonly yes --appendfsync everysec --save "" --maxmemory-policy noeviction --loglevel warning &
   pids+=($!)
   for _ in $(seq 50); do redis_answers && break; sleep 0.1; done
 fi

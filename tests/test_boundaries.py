@@ -236,14 +236,33 @@ def test_a_gguf_tokenizer_is_read_without_torch_as_transformers_reads_it(
     assert again.stdout == result.stdout
 
 
+def dockerfile_stages() -> dict[str, list[str]]:
+    """docker/Dockerfile's stages by name: their instructions, one line each (continuations joined)."""
+    text = (ROOT / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    stages: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("FROM "):
+            current = stages.setdefault(line.split()[-1], [])
+        if line and not line.startswith("#"):
+            current.append(line)
+    return stages
+
+
 def test_the_service_image_carries_no_engine() -> None:
-    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
-    stage = dockerfile.split(" AS service\n", 1)[1].split("\nFROM ", 1)[0]
-    instructions = [line for line in stage.splitlines() if line and not line.startswith("#")]
-    assert not [line for line in instructions if "torch" in line.lower()]
-    copied = {name for line in instructions if line.startswith("COPY ") for name in line.split()[1:-1]}
+    stages = dockerfile_stages()
+    service = stages["service"]
+    # What it is made of: the Python base, the service's venv and the service's code, nothing else.
+    assert service[0].split()[1] == "python"
+    sources = {line.split()[1].removeprefix("--from=") for line in service if line.startswith("COPY ")}
+    assert sources == {"service-build", "service-code"}
+    assert not [
+        line for stage in ("service", "service-build") for line in stages[stage] if "torch" in line.lower()
+    ]
+    code = stages["service-code"]
+    copied = {name for line in code if line.startswith("COPY ") for name in line.split()[1:-1]}
     assert copied == set(SERVICE_IMAGE_FILES)
-    assert any("'.[gateway,batch,scheduler]'" in line for line in instructions)
+    assert any("'.[gateway,batch,scheduler]'" in line for line in stages["service-build"])
 
 
 @pytest.mark.venv
