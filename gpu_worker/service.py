@@ -176,6 +176,9 @@ class WorkerService:
                 "Redis unavailable (%s); holding %d unsent writes, reconnecting", error, len(self.outbox)
             )
         self.registered = False
+        since = self.draining_since
+        if since is not None and time.monotonic() - since >= self.settings.drain_timeout_s:
+            self.stop()  # a drain does not wait on a Redis that stays away
         self._stopped.wait(self._backoff.next_delay())
 
     def _on_signal(self, signum: int, frame: Any) -> None:
