@@ -76,6 +76,10 @@ def compose(*args: str, capture: bool = False, timeout: float | None = None) -> 
     return run("docker-compose", "-p", PROJECT, *FILES, *args, capture=capture, timeout=timeout)
 
 
+# vfs storage copies an image's whole tree for each new container: a minute or more per worker.
+os.environ.setdefault("COMPOSE_HTTP_TIMEOUT", "900")
+
+
 def wait_for(what: str, condition: Callable[[], bool], timeout: float, every: float = 1.0) -> float:
     started = time.monotonic()
     while not condition():
