@@ -49,7 +49,7 @@ PREFIX = "pagedserve"  # REDIS_PREFIX in docker-compose.yml
 SERVICES = ("redis", "gateway", "batch", "scheduler", "worker")
 IMAGES = ("pagedserve/service:0.1.0", "pagedserve/worker-cpu:0.1.0")
 TORCH_WHEEL = "torch-2.13.0+cpu-cp311-*.whl"
-STREAM_TOKENS = 160
+STREAM_TOKENS = 64
 DRAIN_GRACE_S = 75  # stop_grace_period of the worker in docker-compose.yml
 HEALTHY_TIMEOUT_S = 900
 
