@@ -230,16 +230,16 @@ def test_redis_killed_and_restarted_from_its_files_loses_no_request(
 ) -> None:
     cluster = durable.cluster
     streams = [start_stream(cluster) for _ in range(3 * DURABLE_RUNNING)]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while sum(len(s.text) >= 10 for s in streams) < DURABLE_RUNNING:
-        assert time.monotonic() < deadline, "no stream started"
+        assert time.monotonic() < deadline, f"no stream started: {[s.errors for s in streams]}"
         time.sleep(0.02)
     # Two stream, the rest wait in the scheduler's queue (the worker holds two at a time).
     waiting = [s for s in streams if not s.text]
     assert len(waiting) >= DURABLE_RUNNING, [len(s.text) for s in streams]
     durable.restart_redis(down_s=3)
     for stream in streams:
-        assert stream.done.wait(120), "a stream hangs"
+        assert stream.done.wait(300), f"a stream hangs\n{cluster.logs_tail()}"
     # Each streamed and each queued request finishes with exactly the text it would have had.
     assert [s.errors for s in streams] == [[]] * len(streams)
     assert ["".join(s.text) for s in streams] == [expected_text] * len(streams)
