@@ -126,15 +126,13 @@ class WorkerService:
         """
         keeper = threading.Thread(target=self.keep_alive, name="keep-alive", daemon=True)
         keeper.start()
-        status = None
-        if self.settings.status_file:
-            status = StatusReporter(
-                self.settings.status_file,
-                "worker",
-                self.worker_id,
-                state=lambda: "serving" if self.draining_since is None else "draining",
-                alive=self.step_alive,
-            ).start()
+        status = StatusReporter(
+            self.settings.status_file,
+            "worker",
+            self.worker_id,
+            state=lambda: "serving" if self.draining_since is None else "draining",
+            alive=self.step_alive,
+        ).start()
         try:
             while not self.stopping:
                 try:
@@ -147,8 +145,7 @@ class WorkerService:
         finally:
             self._keep_alive_stop.set()
             keeper.join()
-            if status is not None:
-                status.stop()
+            status.stop()
             with contextlib.suppress(redis.RedisError):
                 self.redis.delete(self.keys.worker(self.worker_id))
             self.aborts.close()

@@ -76,15 +76,13 @@ class SchedulerService:
         log.info("scheduler %s reading %s", self.consumer, self.keys.requests)
         backoff = Backoff()
         last_iteration = time.monotonic()
-        status = None
-        if self.settings.status_file:
-            status = StatusReporter(
-                self.settings.status_file,
-                "scheduler",
-                self.consumer,
-                state=lambda: "serving",
-                alive=lambda: time.monotonic() - last_iteration < LOOP_STALL_S,
-            ).start()
+        status = StatusReporter(
+            self.settings.status_file,
+            "scheduler",
+            self.consumer,
+            state=lambda: "serving",
+            alive=lambda: time.monotonic() - last_iteration < LOOP_STALL_S,
+        ).start()
         try:
             while not self._stopping:
                 last_iteration = time.monotonic()
@@ -97,8 +95,7 @@ class SchedulerService:
                     self._needs_resync = True
                     time.sleep(backoff.next_delay())
         finally:
-            if status is not None:
-                status.stop()
+            status.stop()
         log.info("scheduler %s stopped", self.consumer)
 
     def step(self, block_ms: int | None = None) -> None:

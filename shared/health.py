@@ -75,7 +75,8 @@ class StatusFile:
 
 class StatusReporter:
     """Writes a service's status every STATUS_INTERVAL_S on a daemon thread, while `alive()` says the process
-    runs (a worker whose step hangs stops being live); `state()` names what it is doing."""
+    runs (a worker whose step hangs stops being live); `state()` names what it is doing. With no path (no
+    STATUS_FILE) it does nothing."""
 
     def __init__(
         self,
@@ -85,19 +86,20 @@ class StatusReporter:
         state: Callable[[], str],
         alive: Callable[[], bool] = lambda: True,
     ) -> None:
-        self._file = StatusFile(path)
+        self._file = StatusFile(path) if path else None
         self._service, self._id = service, service_id
         self._state, self._alive = state, alive
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{service}-status", daemon=True)
 
     def start(self) -> StatusReporter:
-        self.report()
-        self._thread.start()
+        if self._file is not None:
+            self.report()
+            self._thread.start()
         return self
 
     def report(self) -> None:
-        if self._alive():
+        if self._file is not None and self._alive():
             status = Status(self._service, self._id, os.getpid(), self._state(), time.time())
             try:
                 self._file.write(status)
@@ -108,8 +110,9 @@ class StatusReporter:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-        with contextlib.suppress(OSError):
-            self._file.path.unlink()
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.path.unlink()
 
     def _run(self) -> None:
         while not self._stop.wait(STATUS_INTERVAL_S):
