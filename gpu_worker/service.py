@@ -14,6 +14,7 @@ import redis
 
 from gpu_worker.assignments import read_assignment, salvage_request
 from gpu_worker.engine.llm_engine import LLMEngine
+from gpu_worker.kv_publisher import KVPublisher
 from gpu_worker.outbox import Outbox
 from gpu_worker.request_table import ActiveRequest, RequestTable
 from gpu_worker.settings import WorkerSettings, engine_config
@@ -65,6 +66,7 @@ class WorkerService:
         self.aborts = self.redis.pubsub(ignore_subscribe_messages=True)
         self.outbox = Outbox()
         self.table = RequestTable(self.engine, self.outbox, self.keys, self.worker_id, settings.request_ttl_s)
+        self.kv = KVPublisher(self.redis, self.keys, self.worker_id, self.engine.allocator)
         self.registered = False
         self._taken_blocks = 0  # reserved for assignments taken in since the last heartbeat
         self._backoff = Backoff()
@@ -90,6 +92,7 @@ class WorkerService:
         self.aborts = self.redis.pubsub(ignore_subscribe_messages=True)
         self.aborts.subscribe(self.keys.aborts)
         self._apply_abort_flags()  # aborts published while Redis was away were missed
+        self.kv.rewrite()  # a KV event may have been lost while Redis was away
         self.heartbeat()
         self.registered = True
         logger.info("worker %s ready: %d KV blocks", self.worker_id, self.engine.allocator.num_blocks)
@@ -211,6 +214,7 @@ class WorkerService:
             finally:
                 self.step_started = None
         self.outbox.flush(self.redis)
+        self.kv.publish()
         if taken or time.monotonic() - self.last_heartbeat >= self.settings.heartbeat_interval_s:
             self.heartbeat()
         if self.draining_since is not None:

@@ -1,9 +1,22 @@
-"""Admission: which waiting requests go to which worker this round, decided on plain ints."""
+"""Admission: which waiting requests go to which worker this round, decided on plain ints.
+
+Routing by prefix (ROUTING_POLICY=prefix): among the workers with room, and not loaded past the least
+loaded one (at most LOAD_RATIO x its assignments + LOAD_SLACK), a request goes to the one with the highest
+score `PREFIX_WEIGHT x matched / prompt blocks + available / capacity`: matched is the consecutive run of the
+prompt's blocks from its start that the worker's prefix cache holds (the prefix index), available and
+capacity are the worker's blocks (WorkerRoom). The request reserves only the blocks it must compute there.
+Both terms are fractions, so a worker holding most of a prompt wins against any amount of free room
+elsewhere, and one holding a block or two of a long prompt barely counts: among workers that hold nothing,
+the freest wins. What spreads a prefix that every request shares is the load limit: it goes to a second
+worker once the first holds LOAD_SLACK more requests, and from then on both hold it. With no worker under the
+limit that has room, the limit is dropped. With ROUTING_POLICY=load a request goes to the worker with the
+most blocks available, and reserves them all.
+"""
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from scheduler_svc.queue import QueuedRequest
@@ -27,13 +40,25 @@ class WorkerRoom:
     load: int
 
 
+PREFIX_WEIGHT = 2.0  # a prompt held in full weighs twice an empty pool
+# By prefix, a worker is chosen only while it holds at most LOAD_RATIO x the assignments of the least loaded
+# worker, plus LOAD_SLACK: a prefix that every request shares spreads instead of herding them onto one worker.
+LOAD_RATIO = 1.25
+LOAD_SLACK = 4
+
+
 @dataclass(slots=True)
 class Admit:
-    """Send the entry to a worker, reserving its prompt's blocks there."""
+    """Send the entry to a worker, reserving there the blocks of its prompt the worker must compute."""
 
     entry: QueuedRequest
     worker_id: str
     reserved_blocks: int
+    prompt_blocks: int = 0  # the prompt's blocks (on that worker's block size)
+    matched_blocks: int = 0  # of them, the run from the start that worker holds
+    score: float = 0.0  # the routing score that chose it
+    runner_up: str | None = None  # the next best worker by that score, if any had room
+    runner_up_score: float = 0.0
 
 
 @dataclass(slots=True)
@@ -77,61 +102,168 @@ def never_fits(request: GenerateRequest, shapes: set[Shape]) -> RequestRejected 
     )
 
 
+# (entry, block size) -> per worker, the blocks from the prompt's start its prefix cache holds.
+Matcher = Callable[[QueuedRequest, int], dict[str, int]]
+
+
+@dataclass(slots=True)
+class Choice:
+    room: WorkerRoom
+    needed: int
+    matched: int
+    score: float
+
+    @classmethod
+    def of(cls, room: WorkerRoom, needed: int, matched: int) -> Choice:
+        prompt = needed + matched
+        free = room.available_blocks / room.capacity_blocks if room.capacity_blocks > 0 else 0.0
+        return cls(room, needed, matched, PREFIX_WEIGHT * matched / prompt + free if prompt else free)
+
+
 class RoomHeap:
     """The rooms by preference (most available blocks, then least load, then id), for the next request to
-    take the best that fits: O(log rooms) a request, not a scan of every worker."""
+    take the best that fits: O(log rooms) a request, not a scan of every worker. With prefix matches, the
+    workers holding part of the prompt are weighed against the best of the others (the module's score), among
+    the workers not loaded past the least loaded one (load_limit).
+
+    A room charged out of heap order leaves stale entries behind; entries carry the room's version, and a
+    stale one is dropped when it comes up.
+    """
 
     def __init__(self, rooms: list[WorkerRoom]) -> None:
-        self._heap = [(-r.available_blocks, r.load, r.worker_id, r) for r in rooms]
+        self._rooms = {r.worker_id: r for r in rooms}
+        self._versions = dict.fromkeys(self._rooms, 0)
+        self._heap = [(-r.available_blocks, r.load, r.worker_id, 0, r) for r in rooms]
         heapq.heapify(self._heap)
+        self._loads = [(r.num_assigned, r.worker_id, 0) for r in rooms]
+        heapq.heapify(self._loads)
         self._block_sizes = {r.block_size for r in rooms}
 
-    def take(self, request: GenerateRequest, max_running: int) -> tuple[WorkerRoom, int] | None:
-        """The best room with space for request now and the blocks it takes there (the room is charged)."""
-        num_prompt_tokens = len(request.prompt_token_ids)
+    def take(
+        self, request: GenerateRequest, max_running: int, matches: dict[str, int] | None = None
+    ) -> tuple[Choice, Choice | None] | None:
+        """The best room with space for request now (charged), and the runner-up; None if none has space."""
         blocks = {bs: request.num_blocks_for_prompt(bs) for bs in self._block_sizes}
+        choices = []
+        if matches is not None:
+            choices = self._choices(request, max_running, blocks, matches, self.load_limit())
+        if not choices:  # by load alone, or no worker under the load limit has room
+            choices = self._choices(request, max_running, blocks, matches or {}, None)
+        if not choices:
+            return None
+        choices.sort(key=lambda c: (-c.score, c.room.load, c.room.worker_id))
+        best = choices[0]
+        room = best.room
+        room.available_blocks -= best.needed
+        room.num_assigned += 1
+        room.load += 1
+        version = self._versions[room.worker_id] = self._versions[room.worker_id] + 1
+        heapq.heappush(self._heap, (-room.available_blocks, room.load, room.worker_id, version, room))
+        heapq.heappush(self._loads, (room.num_assigned, room.worker_id, version))
+        return best, (choices[1] if len(choices) > 1 else None)
+
+    def load_limit(self) -> float:
+        """The most assignments a worker may hold to be chosen by prefix: LOAD_RATIO x those of the least
+        loaded worker, plus LOAD_SLACK."""
+        while self._loads[0][2] != self._versions[self._loads[0][1]]:
+            heapq.heappop(self._loads)  # stale
+        return LOAD_RATIO * self._loads[0][0] + LOAD_SLACK
+
+    def _choices(
+        self,
+        request: GenerateRequest,
+        max_running: int,
+        blocks: dict[int, int],
+        matches: dict[str, int],
+        limit: float | None,
+    ) -> list[Choice]:
+        """The matched rooms with space, and the best other room with space, under the load limit if any."""
+        choices = []
+        for wid, matched in matches.items():
+            room = self._rooms.get(wid)
+            if room is None or (limit is not None and room.num_assigned > limit):
+                continue
+            needed = blocks[room.block_size] - matched
+            if self._fits(room, request, max_running, needed):
+                choices.append(Choice.of(room, needed, matched))
+        other = self._best_other(request, max_running, blocks, matches, limit)
+        if other is not None:
+            choices.append(Choice.of(other, blocks[other.block_size], 0))
+        return choices
+
+    @staticmethod
+    def _fits(room: WorkerRoom, request: GenerateRequest, max_running: int, needed: int) -> bool:
+        return (
+            room.num_assigned < max_running
+            and len(request.prompt_token_ids) < room.max_model_len
+            and needed <= room.available_blocks
+        )
+
+    def _best_other(
+        self,
+        request: GenerateRequest,
+        max_running: int,
+        blocks: dict[int, int],
+        matched: dict[str, int],
+        limit: float | None,
+    ) -> WorkerRoom | None:
+        """The first room in heap order with space for the whole prompt, among those not in matched (and
+        under the load limit, if any)."""
         passed = []
         found = None
         while self._heap:
             entry = heapq.heappop(self._heap)
-            room = entry[3]
+            _, _, wid, version, room = entry
+            if version != self._versions[wid]:
+                continue  # stale: the room's current entry is elsewhere in the heap
+            passed.append(entry)
             needed = blocks[room.block_size]
             if needed > room.available_blocks and len(self._block_sizes) == 1:
-                passed.append(entry)  # the most available blocks of all, and too few: none has enough
-                break
+                break  # the most available blocks of all, and too few: none has enough
             if (
-                room.num_assigned < max_running
-                and num_prompt_tokens < room.max_model_len
-                and (needed <= room.available_blocks)
+                wid not in matched
+                and (limit is None or room.num_assigned <= limit)
+                and self._fits(room, request, max_running, needed)
             ):
-                room.available_blocks -= needed
-                room.num_assigned += 1
-                room.load += 1
-                passed.append((-room.available_blocks, room.load, room.worker_id, room))
-                found = (room, needed)
+                found = room
                 break
-            passed.append(entry)
         for entry in passed:
             heapq.heappush(self._heap, entry)
         return found
 
 
 def plan_admissions(
-    queue: Iterable[QueuedRequest], rooms: list[WorkerRoom], max_running: int
+    queue: Iterable[QueuedRequest], rooms: list[WorkerRoom], max_running: int, matcher: Matcher | None = None
 ) -> list[Decision]:
-    """Decisions for a prefix of the queue; stops at the first request that fits nowhere yet (no skipping)."""
+    """Decisions for a prefix of the queue; stops at the first request that fits nowhere yet (no skipping).
+    With a matcher, routes by prefix (the module's score); without, by available blocks."""
     decisions: list[Decision] = []
     if not rooms:
         return decisions
     heap, shapes = RoomHeap(rooms), shapes_of(rooms)
+    block_sizes = {shape[0] for shape in shapes}
+    block_size = next(iter(block_sizes)) if len(block_sizes) == 1 else None
     for entry in queue:
         error = never_fits(entry.request, shapes)
         if error is not None:
             decisions.append(Reject(entry, error))
             continue
-        taken = heap.take(entry.request, max_running)
+        # NOTE: prefixes are matched when every worker has the same block size (one set of hashes).
+        matches = matcher(entry, block_size) if matcher is not None and block_size is not None else None
+        taken = heap.take(entry.request, max_running, matches)
         if taken is None:
             break
-        room, blocks = taken
-        decisions.append(Admit(entry, room.worker_id, blocks))
+        best, runner_up = taken
+        decisions.append(
+            Admit(
+                entry,
+                best.room.worker_id,
+                best.needed,
+                prompt_blocks=best.needed + best.matched,
+                matched_blocks=best.matched,
+                score=best.score,
+                runner_up=runner_up.room.worker_id if runner_up else None,
+                runner_up_score=runner_up.score if runner_up else 0.0,
+            )
+        )
     return decisions

@@ -87,7 +87,13 @@ class Failover:
             for request in requeue:
                 queue_request(tx, keys.requests, request)
             for wid in dead:
-                tx.delete(keys.inbox(wid), keys.assigned(wid), keys.reserved(wid))
+                tx.delete(
+                    keys.inbox(wid),
+                    keys.assigned(wid),
+                    keys.reserved(wid),
+                    keys.kv_blocks(wid),
+                    keys.kv_events(wid),
+                )
                 tx.srem(keys.workers, wid)
             tx.execute()
         for request in requeue:

@@ -6,6 +6,7 @@ from bisect import bisect_left, insort
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
+from shared.prefix import block_hashes
 from shared.protocol import QUEUE_TIME_BUCKETS_S, GenerateRequest
 from shared.streams import StreamId, parse_stream_id
 
@@ -17,9 +18,19 @@ class QueuedRequest:
     entry_id: str
     request: GenerateRequest
     order: tuple[int, float, StreamId] = field(init=False)
+    _hashes: tuple[int, list[int]] | None = field(init=False, default=None)  # (block size, hashes)
 
     def __post_init__(self) -> None:
         self.order = (self.request.priority, self.request.arrival_time, parse_stream_id(self.entry_id))
+
+    def prompt_hashes(self, block_size: int) -> list[int]:
+        """The chained hashes (shared.prefix) of the prompt's blocks a prefix cache could give it: its full
+        blocks, less one whose last token is the prompt's own (that token is always computed)."""
+        if self._hashes is None or self._hashes[0] != block_size:
+            tokens = self.request.prompt_token_ids
+            end = max(0, (len(tokens) - 1) // block_size)
+            self._hashes = (block_size, block_hashes(tokens, block_size, end_block=end))
+        return self._hashes[1]
 
 
 def _order(entry: QueuedRequest) -> tuple[int, float, StreamId]:

@@ -13,6 +13,7 @@ import redis
 
 from scheduler_svc.admission import Admit, Decision, Reject, never_fits, plan_admissions, shapes_of
 from scheduler_svc.failover import Failover
+from scheduler_svc.prefix_index import KVEventReader
 from scheduler_svc.queue import QueuedRequest, QueueTimes, WaitingQueue
 from scheduler_svc.reserve import Reserver
 from scheduler_svc.settings import SchedulerSettings
@@ -56,13 +57,16 @@ class SchedulerService:
         self.reserver = Reserver(
             self.client, self.keys, settings.watermark_blocks, settings.max_running_per_worker
         )
+        self.kv = KVEventReader(self.client, self.keys) if settings.routing_policy == "prefix" else None
+        self.routed_prompt_blocks = 0
+        self.routed_matched_blocks = 0
         self._fresh: list[QueuedRequest] = []  # read this step: checked at once against every worker
         self._needs_resync = True
         self._stopping = False
         self._next_claim = 0.0
         self._next_refresh = 0.0
         self._view_stale = False
-        self._last_stats: tuple[int, int, int] | None = None
+        self._last_stats: tuple[int, ...] | None = None
         self.queue_times = QueueTimes()
         self._stats_at = 0.0
 
@@ -107,7 +111,8 @@ class SchedulerService:
             self._next_claim = time.monotonic() + self.settings.claim_idle_s / 3
         self._read(">", block_ms)
         now = time.monotonic()
-        if now >= self._next_refresh or self._view_stale:
+        refreshed = now >= self._next_refresh or self._view_stale
+        if refreshed:
             # The view only guides the plan (the admit script checks each worker as it reserves), so it is
             # read again every view_refresh_s, or as soon as a worker refused what the plan sent it.
             self.view.refresh()
@@ -115,12 +120,16 @@ class SchedulerService:
             if self.view.dead:
                 # The re-queued requests come back through the stream, so they take the normal path next step.
                 self.failover.sweep(self.view.dead)
+        if self.kv is not None and (refreshed or self.queue):
+            self.kv.update(self.view.live.keys())
         self._admit()
         self._publish_stats()
 
     def _resync(self) -> None:
         """Rebuild from Redis: the group and our own pending entries."""
         ensure_group(self.client, self.keys.requests, SCHEDULER_GROUP)
+        if self.kv is not None:
+            self.kv.forget_all()  # reloaded from the workers' sets at the next update
         self.queue.clear()
         self._fresh.clear()
         last_id = "0"
@@ -185,7 +194,9 @@ class SchedulerService:
         """Plan against the worker view, then at most two round trips: abort flags, then one MULTI/EXEC."""
         rooms = self.view.rooms(self.settings.watermark_blocks)
         fresh, self._fresh = self._fresh, []
-        decisions = plan_admissions(self.queue, rooms, self.settings.max_running_per_worker)
+        decisions = plan_admissions(
+            self.queue, rooms, self.settings.max_running_per_worker, self._matches if self.kv else None
+        )
         decided = {d.entry.entry_id for d in decisions}
         # Fail a request that fits no worker as soon as it arrives, not once it reaches the head.
         shapes = shapes_of(rooms)
@@ -195,6 +206,10 @@ class SchedulerService:
                 decisions.append(Reject(entry, error))
         if decisions:
             self._commit(decisions)
+
+    def _matches(self, entry: QueuedRequest, block_size: int) -> dict[str, int]:
+        assert self.kv is not None
+        return self.kv.index.matches(entry.prompt_hashes(block_size))
 
     def _commit(self, decisions: list[Decision]) -> None:
         """Hand admitted requests on (the admit script reserves, queues and acknowledges each atomically) and
@@ -227,11 +242,18 @@ class SchedulerService:
             self.view.record_assignment(admit.worker_id, admit.reserved_blocks)
             waited_ms = stream_ms(inbox_entry_ids[admit.entry.entry_id]) - stream_ms(admit.entry.entry_id)
             self.queue_times.observe(max(0, waited_ms) / 1000)
+            self.routed_prompt_blocks += admit.prompt_blocks
+            self.routed_matched_blocks += admit.matched_blocks
             log.debug(
-                "assigned %s to %s (%d blocks)",
+                "assigned %s to %s: %d of %d prompt blocks held, %d reserved, score %.3f (next %s, %.3f)",
                 admit.entry.request.request_id,
                 admit.worker_id,
+                admit.matched_blocks,
+                admit.prompt_blocks,
                 admit.reserved_blocks,
+                admit.score,
+                admit.runner_up,
+                admit.runner_up_score,
             )
         for admit in sent:
             if inbox_entry_ids[admit.entry.entry_id] is None:
@@ -254,7 +276,14 @@ class SchedulerService:
 
     def _publish_stats(self) -> None:
         """Write the stats hash when they change, and at least every STATS_INTERVAL_S (one round trip)."""
-        current = (len(self.queue), self.view.num_assigned, self.queue_times.count)
+        kv = self.kv
+        current = (
+            len(self.queue),
+            self.view.num_assigned,
+            self.queue_times.count,
+            kv.num_events if kv else 0,
+            kv.num_resyncs if kv else 0,
+        )
         now = time.monotonic()
         if current == self._last_stats and now - self._stats_at < STATS_INTERVAL_S:
             return
@@ -264,6 +293,12 @@ class SchedulerService:
             updated_at=time.time(),
             queue_time_buckets=list(self.queue_times.buckets),
             queue_time_sum_s=self.queue_times.sum_s,
+            routing_policy=self.settings.routing_policy,
+            routed_prompt_blocks=self.routed_prompt_blocks,
+            routed_matched_blocks=self.routed_matched_blocks,
+            kv_events_applied=kv.num_events if kv else 0,
+            kv_resyncs=kv.num_resyncs if kv else 0,
+            prefix_index_blocks=len(kv.index) if kv else 0,
         )
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(self.keys.scheduler_stats, mapping=cast(dict[Any, Any], stats.to_hash()))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from shared.settings import CommonSettings, StatusSettings
@@ -15,6 +17,11 @@ class SchedulerSettings(CommonSettings, StatusSettings):
     poll_interval_s: float = Field(0.05, description="longest wait for new requests before re-checking")
     view_refresh_s: float = Field(
         0.1, description="the workers' heartbeats are read at most this often (and after a refusal)"
+    )
+    routing_policy: Literal["prefix", "load"] = Field(
+        "prefix",
+        description="prefix: to the worker whose prefix cache holds most of the prompt, weighed against "
+        "its free blocks; load: to the worker with the most free blocks",
     )
     claim_idle_s: float = Field(
         5.0, description="requests a scheduler has not touched for this long are claimed by another"

@@ -11,6 +11,8 @@ test runs can share one Redis. `rid` is a request id, `wid` a worker id, `i` a s
 | {p}:worker:{wid}:inbox       | stream              | scheduler             | worker (group)       | gone if dead  |
 | {p}:worker:{wid}:assigned    | hash rid→Assignment | scheduler; worker del | scheduler (failover) | gone if dead  |
 | {p}:worker:{wid}:reserved    | int (blocks)        | scheduler +, worker - | scheduler            | gone if dead  |
+| {p}:worker:{wid}:kv_blocks   | set of block hashes | worker                | scheduler (resync)   | gone if dead  |
+| {p}:worker:{wid}:kv_events   | stream              | worker                | scheduler            | MAXLEN ~      |
 | {p}:aborts                   | pub/sub             | gateway               | workers              | -             |
 | {p}:request:{rid}:abort      | string              | gateway               | scheduler, worker    | REQUEST_TTL   |
 | {p}:request:{rid}:meta       | string (json)       | gateway               | gateway              | REQUEST_TTL   |
@@ -30,7 +32,8 @@ test runs can share one Redis. `rid` is a request id, `wid` a worker id, `i` a s
 | {p}:celery:*                 | Celery's own keys   | gateway, batch        | batch (Celery)       | Celery's      |
 
 HEARTBEAT_TTL is HEARTBEAT_TTL_S and REQUEST_TTL is REQUEST_TTL_S (shared.settings). What the streams' entries
-hold and their consumer groups are in shared.streams; the reservation counter's rules in shared.reservations.
+hold and their consumer groups are in shared.streams; the reservation counter's rules in shared.reservations;
+the KV events' rules in shared.kv_events.
 The scheduler writes a request's events and finished record only to refuse it (shared.records).
 
 `fid` is a file id, `bid` a batch id. Files are kept until deleted (DELETE /v1/files/{id}). BATCH_TTL is
@@ -68,6 +71,12 @@ class Keys:
 
     def reserved(self, wid: str) -> str:
         return f"{self.prefix}:worker:{wid}:reserved"
+
+    def kv_blocks(self, wid: str) -> str:
+        return f"{self.prefix}:worker:{wid}:kv_blocks"
+
+    def kv_events(self, wid: str) -> str:
+        return f"{self.prefix}:worker:{wid}:kv_events"
 
     @property
     def aborts(self) -> str:

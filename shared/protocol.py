@@ -196,6 +196,15 @@ class SchedulerStats(WireModel):
     updated_at: float
     queue_time_buckets: list[int] = Field(default_factory=lambda: [0] * (len(QUEUE_TIME_BUCKETS_S) + 1))
     queue_time_sum_s: float = 0.0
+    # Routing (scheduler_svc.admission), since the scheduler started: the prompt blocks of the requests it
+    # admitted and, of them, those the chosen worker's prefix cache held; the KV events it applied, the worker
+    # sets it reloaded, and the distinct block hashes its prefix index holds now.
+    routing_policy: str = "load"
+    routed_prompt_blocks: int = 0
+    routed_matched_blocks: int = 0
+    kv_events_applied: int = 0
+    kv_resyncs: int = 0
+    prefix_index_blocks: int = 0
 
     @property
     def num_admitted(self) -> int:

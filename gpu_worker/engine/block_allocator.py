@@ -6,11 +6,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-def _block_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-    """Chained hash of one full block given the hash of the block before it."""
-    # NOTE: a constant for the first block, since hash(None) varies between processes before Python 3.12.
-    return hash((-1 if parent_hash is None else parent_hash, tokens))
+from shared.prefix import block_hash, block_hashes
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,6 +38,9 @@ class BlockAllocator:
         self.num_prefix_hits: int = 0
         self.num_cow_copies: int = 0
         self.num_evictions: int = 0
+        # With record_kv_events(): each hash whose presence in the prefix cache changed since the last
+        # take_kv_events(), and whether it is held now (the last change wins).
+        self._kv_changes: dict[int, bool] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,16 +61,26 @@ class BlockAllocator:
         """Current reference count of a block."""
         return self._ref[block_id]
 
+    def record_kv_events(self) -> None:
+        """From now on, note what the prefix cache stores and evicts, for take_kv_events()."""
+        self._kv_changes = {}
+
+    def take_kv_events(self) -> tuple[list[int], list[int]]:
+        """The block hashes stored and removed since the last call (each hash in at most one of the two)."""
+        changes, self._kv_changes = self._kv_changes, {}
+        if not changes:
+            return [], []
+        return [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held]
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now (in use or evictable)."""
+        return list(self._hash_to_block)
+
     def block_hashes(
         self, token_ids: Sequence[int], first_block: int, end_block: int, parent_hash: int | None
     ) -> list[int]:
         """Chained hashes of full blocks first_block..end_block-1 of token_ids (parent_hash: block before)."""
-        hashes = []
-        bs = self.block_size
-        for i in range(first_block, end_block):
-            parent_hash = _block_hash(parent_hash, tuple(token_ids[i * bs : (i + 1) * bs]))
-            hashes.append(parent_hash)
-        return hashes
+        return block_hashes(token_ids, self.block_size, first_block, end_block, parent_hash)
 
     def find_cached_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[int]]:
         """Longest chain of cached full blocks matching the start of token_ids; takes no references."""
@@ -84,7 +93,7 @@ class BlockAllocator:
         parent: int | None = None
         for i in range(n):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = _block_hash(parent, tokens)
+            h = block_hash(parent, tokens)
             block_id = self._hash_to_block.get(h)
             if block_id is None:
                 break
@@ -199,7 +208,7 @@ class BlockAllocator:
             block_id = block_table[i]
             assert self._ref[block_id] > 0, f"caching unreferenced block {block_id}"
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = _block_hash(parent_hash, tokens)
+            h = block_hash(parent_hash, tokens)
             existing = self._cached.get(block_id)
             if existing is not None:
                 assert existing.block_hash == h, f"block {block_id} re-cached with different content"
@@ -207,6 +216,8 @@ class BlockAllocator:
                 # Another block holding this hash stays the canonical copy; this one stays uncached.
                 self._cached[block_id] = CachedBlock(h, parent_hash, tokens)
                 self._hash_to_block[h] = block_id
+                if self._kv_changes is not None:
+                    self._kv_changes[h] = True
             parent_hash = h
         return parent_hash
 
@@ -214,6 +225,8 @@ class BlockAllocator:
         """Remove a block from the prefix cache."""
         record = self._cached.pop(block_id)
         del self._hash_to_block[record.block_hash]
+        if self._kv_changes is not None:
+            self._kv_changes[record.block_hash] = False
 
     def check_invariants(self) -> None:
         """Assert the internal bookkeeping is consistent (O(num_blocks); for tests and debugging)."""
@@ -231,6 +244,6 @@ class BlockAllocator:
         for h, block_id in self._hash_to_block.items():
             record = self._cached[block_id]
             assert record.block_hash == h and len(record.tokens) == self.block_size
-            assert record.block_hash == _block_hash(record.parent_hash, record.tokens)
+            assert record.block_hash == block_hash(record.parent_hash, record.tokens)
         if not self.enable_prefix_caching:
             assert not self._cached

@@ -14,9 +14,12 @@ import redis
 from gpu_worker import LLM, SamplingParams
 from gpu_worker.service import WorkerService
 from gpu_worker.settings import WorkerSettings
+from scheduler_svc.queue import QueuedRequest
 from shared import streams
 from shared.errors import ErrorCode
 from shared.keys import Keys
+from shared.kv_events import KVEvent
+from shared.prefix import block_hashes
 from shared.protocol import (
     AbortMessage,
     Assignment,
@@ -412,3 +415,44 @@ def test_without_a_drain_timeout_sigterm_stops_at_once(worker: WorkerService) ->
     worker.settings.drain_timeout_s = 30
     worker._on_signal(signal.SIGINT, None)
     assert worker.stopping
+
+
+def test_kv_events_tell_what_the_prefix_cache_holds_with_the_schedulers_hashes(worker: WorkerService) -> None:
+    client, keys = worker.redis, worker.keys
+    pubsub = subscribe(client, keys, "kv")
+    assign(client, keys, request("kv", max_tokens=40))
+    events = collect(worker, pubsub, 1)
+    output = [t for e in events for t in e.token_ids]
+    block_size = worker.engine.allocator.block_size
+    # The blocks it cached (prompt and output) are those shared.prefix names, as the set and events say.
+    expected = set(block_hashes(PROMPT + output, block_size, end_block=(len(PROMPT) + 39) // block_size))
+    assert len(expected) == 3
+    assert set(worker.engine.allocator.cached_hashes()) == expected
+    assert {int(h) for h in client.smembers(keys.kv_blocks("w1"))} == expected
+    entries = [KVEvent.read(fields) for _, fields in client.xrange(keys.kv_events("w1"))]
+    assert entries[0].reset and [e.seq for e in entries] == list(range(1, len(entries) + 1))
+    assert {h for e in entries for h in e.stored} == expected and not any(e.removed for e in entries)
+    # What the scheduler matches a prompt with: the prompt's own full block.
+    again = QueuedRequest("1-1", request("again"))
+    assert again.prompt_hashes(block_size) == block_hashes(PROMPT, block_size)
+
+
+def test_kv_events_name_evicted_blocks_and_a_rejoin_rewrites_the_set(worker: WorkerService) -> None:
+    client, keys = worker.redis, worker.keys
+    allocator = worker.engine.allocator
+    for i in range(8):  # 96 blocks of distinct prompts in a pool of 64: the oldest are evicted
+        rid = f"ev{i}"
+        pubsub = subscribe(client, keys, rid)
+        prompt = [(7 * i + j) % 4000 + 1 for j in range(12 * allocator.block_size)]
+        assign(client, keys, request(rid, max_tokens=1).model_copy(update={"prompt_token_ids": prompt}))
+        collect(worker, pubsub, 1)
+    assert allocator.num_evictions > 0
+    entries = [KVEvent.read(fields) for _, fields in client.xrange(keys.kv_events("w1"))]
+    assert any(e.removed for e in entries)
+    held = {int(h) for h in client.smembers(keys.kv_blocks("w1"))}
+    assert held == set(allocator.cached_hashes())
+    client.delete(keys.kv_blocks("w1"))  # as from a Redis that lost it
+    worker.register()
+    assert {int(h) for h in client.smembers(keys.kv_blocks("w1"))} == held
+    last = KVEvent.read(client.xrevrange(keys.kv_events("w1"), count=1)[0][1])
+    assert last.reset and last.seq == entries[-1].seq + 1

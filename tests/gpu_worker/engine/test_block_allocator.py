@@ -57,7 +57,7 @@ def test_prefix_hit_after_free_revives_block() -> None:
 
 
 def test_hash_collision_is_not_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ba, "_block_hash", lambda parent, tokens: 0)
+    monkeypatch.setattr(ba, "block_hash", lambda parent, tokens: 0)
     alloc = BlockAllocator(8, BS)
     table, _ = _seq(alloc, [1, 1, 1, 1])
     assert alloc.find_cached_prefix([2, 2, 2, 2], 1) == ([], [])
@@ -66,7 +66,7 @@ def test_hash_collision_is_not_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_parent_hash_is_compared_on_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ba, "_block_hash", lambda parent, tokens: hash(tokens))
+    monkeypatch.setattr(ba, "block_hash", lambda parent, tokens: hash(tokens))
     alloc = BlockAllocator(8, BS)
     x = [5, 5, 5, 5]
     a = [1, 2, 3, 4]
@@ -258,7 +258,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         parent = None
         for i, (block_id, h) in enumerate(zip(hits, hashes)):
             assert self.kv_of[block_id] == tuple(tokens[: (i + 1) * BS])
-            parent = ba._block_hash(parent, tuple(tokens[i * BS : (i + 1) * BS]))
+            parent = ba.block_hash(parent, tuple(tokens[i * BS : (i + 1) * BS]))
             assert h == parent
 
     @invariant()
