@@ -213,8 +213,8 @@ class WorkerService:
                 self.table.publish(seqs)
             finally:
                 self.step_started = None
+        self.kv.publish()  # before the tokens: a request seen finished is in the index the scheduler reads
         self.outbox.flush(self.redis)
-        self.kv.publish()
         if taken or time.monotonic() - self.last_heartbeat >= self.settings.heartbeat_interval_s:
             self.heartbeat()
         if self.draining_since is not None:

@@ -11,11 +11,14 @@ afresh while an unchanged tree loads the cached library in well under a second.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,20 +67,44 @@ def extension_name(flags: list[str], folder: Path = CSRC, stem: str = "pagedserv
     return f"{stem}_{digest.hexdigest()[:12]}"
 
 
+@contextlib.contextmanager
+def exclusive_build(name: str) -> Iterator[None]:
+    """One build of the extension at a time, by a lock the kernel drops when its holder dies; and, once held,
+    away with the lock file torch's builder leaves when a build is killed midway (torch would wait for it
+    forever: every later process that loads the extension would hang)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(name, verbose=False))
+    try:
+        held = (folder / "pagedserve.flock").open("w")
+    except OSError:  # a read-only folder: a prebuilt extension, which nothing builds again
+        yield
+        return
+    with held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = folder / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def build(verbose: bool = False) -> str:
     """Compile (or find in the cache) the extension, load it into torch.ops.pagedserve; returns its path."""
     # Deferred: cpp_extension pulls in setuptools, which nothing on the CPU path needs.
     from torch.utils.cpp_extension import load
 
     cuda_flags = ["-O3", "-lineinfo", *arch_flags()]
-    path = load(
-        name=extension_name(cuda_flags),
-        sources=[str(CSRC / source) for source in SOURCES],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=cuda_flags,
-        is_python_module=False,
-        verbose=verbose,
-    )
+    name = extension_name(cuda_flags)
+    with exclusive_build(name):
+        path = load(
+            name=name,
+            sources=[str(CSRC / source) for source in SOURCES],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=cuda_flags,
+            is_python_module=False,
+            verbose=verbose,
+        )
     return str(path)
 
 
@@ -107,14 +134,16 @@ def build_cpu(verbose: bool = False) -> str:
     from torch.utils.cpp_extension import load
 
     flags = cpu_flags()
-    path = load(
-        name=extension_name(flags, CPU_CSRC, "pagedserve_cpu_kernels"),
-        sources=[str(p) for p in sorted(CPU_CSRC.glob("*.cpp"))],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=verbose,
-    )
+    name = extension_name(flags, CPU_CSRC, "pagedserve_cpu_kernels")
+    with exclusive_build(name):
+        path = load(
+            name=name,
+            sources=[str(p) for p in sorted(CPU_CSRC.glob("*.cpp"))],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=verbose,
+        )
     return str(path)
 
 

@@ -286,6 +286,31 @@ def test_client_disconnect_aborts_the_request(cluster: Cluster) -> None:
     assert 3 <= cluster.redis.llen(cluster.keys.tokens(rid, 0)) < 1000
 
 
+def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(cluster: Cluster) -> None:
+    """Both workers equally free, so routing by load alone would take the first by id: by prefix, the
+    request goes to the worker that computed its prefix, and finds it in that worker's cache."""
+    client = cluster.client()
+    keys = cluster.keys
+    prefix = [300 + i for i in range(6 * 16)]  # six blocks of 16 tokens
+    body = {"model": MODEL_NAME, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with requests.post(
+        f"{cluster.base_url}/v1/completions", json={**body, "prompt": [9] * 800}, stream=True, timeout=60
+    ) as busy:
+        next(line for line in busy.iter_lines() if line.startswith(b"data: {"))
+        (busy_worker,) = [wid for wid in WORKERS if cluster.redis.hlen(keys.assigned(wid))]
+        # The other worker has the most free blocks: the prefix is computed there.
+        first = client.completions.create(model=MODEL_NAME, prompt=prefix + [7], max_tokens=1)
+    cluster.wait_idle(timeout=30)  # the busy stream is aborted: both workers are equally free again
+    (holder,) = [wid for wid in WORKERS if cluster.redis.scard(keys.kv_blocks(wid)) and wid != busy_worker]
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert not first.usage.prompt_tokens_details.cached_tokens
+    second = client.completions.create(model=MODEL_NAME, prompt=prefix + [8, 9], max_tokens=1)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens == len(prefix), holder
+    stats = cluster.redis.hgetall(keys.scheduler_stats)
+    assert json.loads(stats["routing_policy"]) == "prefix" and json.loads(stats["routed_matched_blocks"]) >= 6
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status"),
     [
