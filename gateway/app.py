@@ -77,7 +77,7 @@ class Gateway:
         self.tokenizer = load_tokenizer(settings.model, settings.max_model_len)
         self.api_keys = [k.encode() for k in sorted(settings.api_key_set())]
         self.created = int(time.time())
-        self.watch = WorkerWatch(self.registry)
+        self.watch = WorkerWatch(self.registry, self.model_name)
         # A reader renews its lease a few times per keep-alive tick, so a live stream never looks dropped.
         self.attachments = Attachments(
             self.redis,
@@ -110,7 +110,7 @@ class Gateway:
             return self._resume(chat=False, event=request.headers[RESUME_HEADER], stream=True)
         body = parse_body(CompletionRequest)
         check_model(body.model, self.model_name)
-        prepared = prepare_prompts(body, self.tokenizer)
+        prepared = prepare_prompts(body, self.tokenizer, self.model_name)
         if len(prepared) == 1:
             return self._generate(prepared[0], arrived)
         return self._generate_batch(prepared, arrived)
@@ -121,7 +121,7 @@ class Gateway:
             return self._resume(chat=True, event=request.headers[RESUME_HEADER], stream=True)
         body = parse_body(ChatCompletionRequest)
         check_model(body.model, self.model_name)
-        return self._generate(prepare_chat(body, self.tokenizer), arrived)
+        return self._generate(prepare_chat(body, self.tokenizer, self.model_name), arrived)
 
     def completion(self, request_id: str) -> Response:
         return self._retrieve(request_id, chat=False)
@@ -162,7 +162,7 @@ class Gateway:
 
     def _generate(self, prepared: Prepared, arrived: float) -> Response:
         settings = self.settings
-        check_backpressure(self.registry, settings.max_queue_len, settings.heartbeat_ttl_s)
+        check_backpressure(self.registry, self.model_name, settings.max_queue_len, settings.heartbeat_ttl_s)
         generation = self._generation(prepared, arrived)
         try:
             generation.submit(self.owner())
@@ -175,7 +175,11 @@ class Gateway:
         """Several prompts: each queued as a request of its own (serving.prompt_batch), answered as one."""
         settings = self.settings
         check_backpressure(
-            self.registry, settings.max_queue_len, settings.heartbeat_ttl_s, num_requests=len(prepared)
+            self.registry,
+            self.model_name,
+            settings.max_queue_len,
+            settings.heartbeat_ttl_s,
+            num_requests=len(prepared),
         )
         batch = PromptBatch(self.redis, prepared, tick_s=self.limits.tick_s)
         try:
@@ -279,11 +283,11 @@ class Gateway:
     def ready(self) -> tuple[Response, int]:
         try:
             self.redis.ping()
-            workers = self.registry.live_worker_ids()
+            workers = self.registry.live_worker_ids(self.model_name)
         except redis.RedisError as e:
             return jsonify({"status": "not ready", "reason": f"Redis unavailable: {e}"}), 503
         if not workers:
-            return jsonify({"status": "not ready", "reason": "no live worker"}), 503
+            return jsonify({"status": "not ready", "reason": f"no live worker of {self.model_name}"}), 503
         return jsonify({"status": "ready", "workers": len(workers)}), 200
 
     def metrics(self) -> Response:

@@ -7,6 +7,7 @@ Without it (the Flask test client, one process) a plain registry holds them.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -151,7 +152,8 @@ class _Local:
 class ClusterCollector:
     """Worker and scheduler gauges, counters and histograms, read from their heartbeats at scrape time.
 
-    A worker's figures carry its id in the `worker` label; they lag by at most one heartbeat.
+    A worker's figures carry its id in the `worker` label and its served model in `model_name`; they lag by
+    at most one heartbeat. The scheduler's carry the model of each queue, and the routing counters its own.
     """
 
     def __init__(self, registry: WorkerRegistry, model_name: str) -> None:
@@ -166,7 +168,7 @@ class ClusterCollector:
             logger.warning("metrics: Redis unavailable: %s", e)
             return
         yield from self._worker_metrics(beats)
-        yield from self._scheduler_metrics(stats, len(beats))
+        yield from self._scheduler_metrics(stats, beats)
 
     def _worker_metrics(self, beats: list[Heartbeat]) -> Iterator[Metric]:
         labels = ["model_name", "worker"]
@@ -179,7 +181,7 @@ class ClusterCollector:
         ) -> Metric:
             metric = kind(name, documentation, labels=labels)
             for beat in beats:
-                metric.add_metric([self._model_name, beat.worker_id], value(beat))
+                metric.add_metric([beat.model, beat.worker_id], value(beat))
             return metric
 
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
@@ -234,7 +236,7 @@ class ClusterCollector:
             labels=[*labels, "block_size", "num_gpu_blocks", "cache_dtype", "device", "max_model_len"],
         )
         for beat in beats:
-            values = [self._model_name, beat.worker_id]
+            values = [beat.model, beat.worker_id]
             buckets = list(zip(bounds, (float(c) for c in beat.iteration_tokens_buckets)))
             iteration.add_metric(values, buckets, float(beat.iteration_tokens_sum))
             config = [
@@ -248,17 +250,23 @@ class ClusterCollector:
         yield iteration
         yield info
 
-    def _scheduler_metrics(self, stats: SchedulerStats | None, num_live: int) -> Iterator[Metric]:
+    def _scheduler_metrics(self, stats: SchedulerStats | None, beats: list[Heartbeat]) -> Iterator[Metric]:
         queued = GaugeMetricFamily(
             "pagedserve:scheduler_num_requests_waiting",
             "Requests queued in the scheduler, not yet assigned to a worker.",
             labels=LABELS,
         )
-        queued.add_metric([self._model_name], stats.num_waiting if stats else 0)
+        waiting = dict(stats.waiting_by_model) if stats else {}
+        waiting.setdefault(self._model_name, 0)
+        for model, count in sorted(waiting.items()):
+            queued.add_metric([model], count)
         live = GaugeMetricFamily(
             "pagedserve:num_live_workers", "Workers with a live heartbeat.", labels=LABELS
         )
-        live.add_metric([self._model_name], num_live)
+        per_model = collections.Counter(beat.model for beat in beats)
+        per_model.setdefault(self._model_name, 0)
+        for model, count in sorted(per_model.items()):
+            live.add_metric([model], count)
         queue_time = HistogramMetricFamily(
             "vllm:request_queue_time_seconds",
             "Time from a request's entry in the requests stream to its worker's inbox (by Redis's clock).",
@@ -270,6 +278,23 @@ class ClusterCollector:
                 [self._model_name], list(zip(bounds, stats.queue_time_buckets)), stats.queue_time_sum_s
             )
         yield from (queued, live, queue_time)
+        routing = [
+            ("routed_prompt_blocks", "Prompt blocks of the requests the scheduler admitted."),
+            ("routed_matched_blocks", "Of those, the blocks the chosen worker's prefix cache held."),
+            ("kv_events_applied", "KV events of the workers the scheduler's prefix index applied."),
+            ("kv_resyncs", "Workers' block sets the prefix index reloaded (at a start, a gap or a reset)."),
+        ]
+        for field, documentation in routing:
+            counter = CounterMetricFamily(f"pagedserve:scheduler_{field}", documentation, labels=LABELS)
+            counter.add_metric([self._model_name], getattr(stats, field) if stats else 0)
+            yield counter
+        index = GaugeMetricFamily(
+            "pagedserve:scheduler_prefix_index_blocks",
+            "Distinct block hashes the scheduler's prefix index holds.",
+            labels=LABELS,
+        )
+        index.add_metric([self._model_name], stats.prefix_index_blocks if stats else 0)
+        yield index
 
 
 def _kv_usage(beat: Heartbeat) -> float:

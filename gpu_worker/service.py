@@ -52,7 +52,7 @@ class WorkerService:
         self.engine = engine or LLMEngine(
             settings.model, engine_config(settings), dtype=settings.dtype, device=settings.device
         )
-        self.model_name = settings.model or "SmolLM2-135M-Instruct"
+        self.model_name = settings.served_model_name  # the scheduler sends it requests for this model only
         self.inbox_last_id = "0-0"
         self.started_at = time.time()
         self.last_step_time = 0.0

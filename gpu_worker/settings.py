@@ -14,10 +14,10 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from gpu_worker.engine.config import EngineConfig
-from shared.settings import CommonSettings, DrainSettings
+from shared.settings import CommonSettings, DrainSettings, ServedModelSettings
 
 
-class WorkerSettings(CommonSettings, DrainSettings, EngineConfig):
+class WorkerSettings(CommonSettings, DrainSettings, ServedModelSettings, EngineConfig):
     """One engine process (one accelerator)."""
 
     model_config = SettingsConfigDict(

@@ -38,6 +38,7 @@ class WorkerRoom:
     num_assigned: int
     # running + waiting, plus this round's plans: the tie-break between equally free workers.
     load: int
+    model: str = ""  # the served model name (its heartbeat's): it takes requests for that model only
 
 
 PREFIX_WEIGHT = 2.0  # a prompt held in full weighs twice an empty pool
@@ -73,6 +74,11 @@ Decision = Admit | Reject
 
 
 Shape = tuple[int, int, int]  # block size, max_model_len, capacity in blocks
+
+
+def rooms_of(rooms: list[WorkerRoom], model: str) -> list[WorkerRoom]:
+    """The rooms of the workers that serve model (every room for a request of no model)."""
+    return [r for r in rooms if r.model == model] if model else rooms
 
 
 def shapes_of(rooms: Iterable[WorkerRoom]) -> set[Shape]:

@@ -77,6 +77,63 @@ class WaitingQueue:
         self._entry_ids.clear()
 
 
+class ModelQueues:
+    """A waiting queue per model (GenerateRequest.model), so one model's backlog never holds up the head of
+    another's; as a whole, it reads like one queue (length, ids, membership)."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, WaitingQueue] = {}
+        self._model_of: dict[str, str] = {}  # entry id -> its model
+
+    def __len__(self) -> int:
+        return len(self._model_of)
+
+    def __bool__(self) -> bool:
+        return bool(self._model_of)
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        for queue in self._queues.values():
+            yield from queue
+
+    def __contains__(self, entry_id: object) -> bool:
+        return entry_id in self._model_of
+
+    def entry_ids(self) -> list[str]:
+        return list(self._model_of)
+
+    def queues(self) -> dict[str, WaitingQueue]:
+        """Each model's queue (only models with a request waiting)."""
+        return dict(self._queues)
+
+    def waiting_by_model(self) -> dict[str, int]:
+        return {model: len(queue) for model, queue in self._queues.items()}
+
+    def push(self, entry: QueuedRequest) -> bool:
+        """Add an entry to its model's queue; False if already queued."""
+        if entry.entry_id in self._model_of:
+            return False
+        model = entry.request.model
+        self._queues.setdefault(model, WaitingQueue()).push(entry)
+        self._model_of[entry.entry_id] = model
+        return True
+
+    def remove(self, entry_ids: Collection[str]) -> None:
+        by_model: dict[str, list[str]] = {}
+        for entry_id in entry_ids:
+            model = self._model_of.pop(entry_id, None)
+            if model is not None:
+                by_model.setdefault(model, []).append(entry_id)
+        for model, ids in by_model.items():
+            queue = self._queues[model]
+            queue.remove(ids)
+            if not queue:
+                del self._queues[model]
+
+    def clear(self) -> None:
+        self._queues.clear()
+        self._model_of.clear()
+
+
 class QueueTimes:
     """Histogram of the waits from the requests stream to a worker's inbox (QUEUE_TIME_BUCKETS_S)."""
 

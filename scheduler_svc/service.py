@@ -11,10 +11,19 @@ from typing import Any, cast
 
 import redis
 
-from scheduler_svc.admission import Admit, Decision, Reject, never_fits, plan_admissions, shapes_of
+from scheduler_svc.admission import (
+    Admit,
+    Decision,
+    Reject,
+    Shape,
+    never_fits,
+    plan_admissions,
+    rooms_of,
+    shapes_of,
+)
 from scheduler_svc.failover import Failover
 from scheduler_svc.prefix_index import KVEventReader
-from scheduler_svc.queue import QueuedRequest, QueueTimes, WaitingQueue
+from scheduler_svc.queue import ModelQueues, QueuedRequest, QueueTimes
 from scheduler_svc.reserve import Reserver
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.workers import WorkerView
@@ -51,7 +60,7 @@ class SchedulerService:
         self.keys = settings.keys
         self.client = client or connect(settings.redis_url)
         self.consumer = consumer or default_consumer_name()
-        self.queue = WaitingQueue()
+        self.queue = ModelQueues()
         self.view = WorkerView(self.client, self.keys)
         self.failover = Failover(self.client, self.keys, owner=self.consumer)
         self.reserver = Reserver(
@@ -191,17 +200,25 @@ class SchedulerService:
             self._ack(self.client.pipeline(transaction=False), unreadable).execute()
 
     def _admit(self) -> None:
-        """Plan against the worker view, then at most two round trips: abort flags, then one MULTI/EXEC."""
+        """Plan each model's queue against the view of its workers, then at most two round trips: abort
+        flags, then one MULTI/EXEC."""
         rooms = self.view.rooms(self.settings.watermark_blocks)
         fresh, self._fresh = self._fresh, []
-        decisions = plan_admissions(
-            self.queue, rooms, self.settings.max_running_per_worker, self._matches if self.kv else None
-        )
+        matcher = self._matches if self.kv else None
+        decisions: list[Decision] = []
+        for model, queue in self.queue.queues().items():
+            mine = rooms_of(rooms, model)
+            decisions += plan_admissions(queue, mine, self.settings.max_running_per_worker, matcher)
         decided = {d.entry.entry_id for d in decisions}
-        # Fail a request that fits no worker as soon as it arrives, not once it reaches the head.
-        shapes = shapes_of(rooms)
+        # Fail a request that fits no worker of its model as soon as it arrives, not once it reaches the head.
+        shapes: dict[str, set[Shape]] = {}
         for entry in fresh:
-            error = never_fits(entry.request, shapes) if entry.entry_id not in decided else None
+            if entry.entry_id in decided or entry.entry_id not in self.queue:
+                continue
+            model = entry.request.model
+            if model not in shapes:
+                shapes[model] = shapes_of(rooms_of(rooms, model))
+            error = never_fits(entry.request, shapes[model])
             if error is not None:
                 decisions.append(Reject(entry, error))
         if decisions:
@@ -293,6 +310,7 @@ class SchedulerService:
             updated_at=time.time(),
             queue_time_buckets=list(self.queue_times.buckets),
             queue_time_sum_s=self.queue_times.sum_s,
+            waiting_by_model=self.queue.waiting_by_model(),
             routing_policy=self.settings.routing_policy,
             routed_prompt_blocks=self.routed_prompt_blocks,
             routed_matched_blocks=self.routed_matched_blocks,

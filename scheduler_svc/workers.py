@@ -69,6 +69,7 @@ class WorkerView:
                     max_model_len=hb.max_model_len,
                     num_assigned=worker.num_assigned,
                     load=hb.num_running + hb.num_waiting,
+                    model=hb.model,
                 )
             )
         return rooms

@@ -43,6 +43,8 @@ class GenerateRequest(WireModel):
     sampling: SamplingSpec
     priority: int = 0
     arrival_time: float
+    # The served model name it is for: only a worker of that model takes it ("": any worker).
+    model: str = ""
     # Failover: the samples still to run (None: all n) and, per sample, the tokens it already streamed.
     samples: list[int] | None = None
     resume: dict[int, list[int]] = Field(default_factory=dict)
@@ -196,6 +198,8 @@ class SchedulerStats(WireModel):
     updated_at: float
     queue_time_buckets: list[int] = Field(default_factory=lambda: [0] * (len(QUEUE_TIME_BUCKETS_S) + 1))
     queue_time_sum_s: float = 0.0
+    # Requests waiting per model (GenerateRequest.model): each model has a queue of its own.
+    waiting_by_model: dict[str, int] = Field(default_factory=dict)
     # Routing (scheduler_svc.admission), since the scheduler started: the prompt blocks of the requests it
     # admitted and, of them, those the chosen worker's prefix cache held; the KV events it applied, the worker
     # sets it reloaded, and the distinct block hashes its prefix index holds now.

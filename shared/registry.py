@@ -8,6 +8,7 @@ scheduler publishes its queue's state the same way.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -45,16 +46,23 @@ class WorkerRegistry:
         members: set[str] = self._client.smembers(self._keys.workers)  # type: ignore[assignment]
         return sorted(members)
 
-    def live_worker_ids(self) -> list[str]:
-        """Registered workers whose heartbeat exists (two round trips; reads no heartbeat's fields)."""
+    def live_worker_ids(self, model: str | None = None) -> list[str]:
+        """Registered workers whose heartbeat exists (with model: that serve that model name); two round
+        trips, reading one field of each heartbeat at most."""
         worker_ids = self.worker_ids()
         if not worker_ids:
             return []
         pipe = NamedPipeline(self._client)
         for wid in worker_ids:
-            pipe.named(wid).exists(self._keys.worker(wid))
-        alive = pipe.execute()
-        return [wid for wid in worker_ids if alive[wid]]
+            if model is None:
+                pipe.named(wid).exists(self._keys.worker(wid))
+            else:
+                pipe.named(wid).hget(self._keys.worker(wid), "model")
+        replies = pipe.execute()
+        if model is None:
+            return [wid for wid in worker_ids if replies[wid]]
+        wanted = json.dumps(model)  # as Heartbeat.to_hash writes it
+        return [wid for wid in worker_ids if replies[wid] == wanted]
 
     def read(self, *, with_load: bool = False) -> RegistrySnapshot:
         """Every registered worker's heartbeat (with_load: and its assignments and reservation counter): two

@@ -35,6 +35,19 @@ class CommonSettings(BaseSettings):
         return Keys(self.redis_prefix)
 
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ServedModelSettings(BaseSettings):
+    """The name a model is served under: the API's model id, and the model a worker takes requests for."""
+
+    model_config = SettingsConfigDict(extra="ignore", case_sensitive=False, protected_namespaces=())
+
+    served_model_name: str = Field(
+        DEFAULT_MODEL_NAME, description="model id in the API; a worker takes only the requests for it"
+    )
+
+
 class StatusSettings(BaseSettings):
     """A long-running process that health checks look at (the scheduler, a worker)."""
 

@@ -136,10 +136,10 @@ def prepare_line(line: Line, endpoint: str, tokenizer: Tokenizer, model_name: st
     if is_chat(endpoint):
         chat, _ = validate(ChatCompletionRequest, body, where)
         check_model(chat.model, model_name)
-        return [prepare_chat(chat, tokenizer)]
+        return [prepare_chat(chat, tokenizer, model_name)]
     plain, _ = validate(CompletionRequest, body, where)
     check_model(plain.model, model_name)
-    return prepare_prompts(plain, tokenizer)
+    return prepare_prompts(plain, tokenizer, model_name)
 
 
 class LineRun:

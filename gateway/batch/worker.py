@@ -58,7 +58,7 @@ def build_runner(settings: BatchSettings) -> BatchRunner:
         store=store,
         tokenizer=load_tokenizer(settings.model, settings.max_model_len),
         hub=EventHub(client),
-        watch=WorkerWatch(WorkerRegistry(client, keys)),
+        watch=WorkerWatch(WorkerRegistry(client, keys), settings.served_model_name),
         limits=limits,
         model_name=settings.served_model_name,
         priority=settings.batch_priority,

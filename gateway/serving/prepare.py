@@ -51,7 +51,7 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
-def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepared:
+def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, model: str = "") -> Prepared:
     if isinstance(body.prompt, str):
         prompt_text, prompt_ids = body.prompt, tokenizer.encode(body.prompt)
     else:
@@ -71,7 +71,7 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepare
     prompt_logprobs = _most(body.logprobs if body.echo else None, _prompt_logprobs(body))
     sampling = _sampling(body, body.max_tokens, body.logprobs, prompt_logprobs, len(prompt_ids), tokenizer)
     return Prepared(
-        request=_request("cmpl", prompt_ids, sampling, body.priority),
+        request=_request("cmpl", prompt_ids, sampling, body.priority, model),
         chat=False,
         stop=body.stop_strings,
         prompt_text=prompt_text,
@@ -85,7 +85,7 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepare
     )
 
 
-def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> Prepared:
+def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, model: str = "") -> Prepared:
     prompt_ids = tokenizer.encode_chat(conversation(body.messages), **body.template_options())
     if not prompt_ids:
         raise bad_request("the messages make an empty prompt", param="messages")
@@ -96,7 +96,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> Prepared:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = _sampling(body, max_tokens, logprobs, _prompt_logprobs(body), len(prompt_ids), tokenizer)
     return Prepared(
-        request=_request("chatcmpl", prompt_ids, sampling, body.priority),
+        request=_request("chatcmpl", prompt_ids, sampling, body.priority, model),
         chat=True,
         stop=body.stop_strings,
         prompt_text=body.messages[-1].text() if echo else "",
@@ -177,8 +177,12 @@ def _structured(body: SamplingBody) -> StructuredSpec | None:
         raise bad_request(str(e), param=e.param) from e
 
 
-def _request(kind: str, prompt_ids: list[int], sampling: SamplingSpec, priority: int) -> GenerateRequest:
+def _request(
+    kind: str, prompt_ids: list[int], sampling: SamplingSpec, priority: int, model: str
+) -> GenerateRequest:
+    """model: the served model name, which only its workers take ("": any worker)."""
     return GenerateRequest(
+        model=model,
         request_id=new_request_id(kind),
         prompt_token_ids=prompt_ids,
         sampling=sampling,

@@ -28,15 +28,15 @@ from gateway.serving.tokenization import Tokenizer
 Json = dict[str, Any]
 
 
-def prepare_prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[Prepared]:
+def prepare_prompts(body: CompletionRequest, tokenizer: Tokenizer, model: str = "") -> list[Prepared]:
     """One Prepared per prompt; a prompt that cannot run refuses the whole request, its index named."""
     prompt = body.prompt
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return [prepare_completion(body, tokenizer)]
+        return [prepare_completion(body, tokenizer, model)]
     prepared = []
     for i, one in enumerate(prompt):
         try:
-            prepared.append(prepare_completion(body.model_copy(update={"prompt": one}), tokenizer))
+            prepared.append(prepare_completion(body.model_copy(update={"prompt": one}), tokenizer, model))
         except APIError as e:
             raise APIError(e.code, f"prompt[{i}]: {e.message}", e.param, e.retry_after) from e
     return prepared

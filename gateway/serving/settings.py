@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, ServedModelSettings
 
 
-class ClientSettings(CommonSettings):
+class ClientSettings(CommonSettings, ServedModelSettings):
     """What the gateway and the batch workers (gateway.batch) share."""
 
-    served_model_name: str = Field("SmolLM2-135M-Instruct", description="model id in the API")
     request_timeout_s: float = Field(600.0, description="give up on a request after this long")
     no_worker_grace_s: float = Field(
         5.0, description="a request in flight with no live worker for this long ends with 503 no_worker"

@@ -1,4 +1,5 @@
-"""Whether any worker is live, as one gateway process sees it, for the requests it holds in flight."""
+"""Whether any worker of the served model is live, as one gateway process sees it, for the requests it holds
+in flight."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ class WorkerWatch:
     """Reads the registry at most once per REFRESH_S for all the process's requests, and says for how long
     no worker has been live (a Redis that cannot be read says nothing either way)."""
 
-    def __init__(self, registry: WorkerRegistry, refresh_s: float = REFRESH_S) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, model: str | None = None, refresh_s: float = REFRESH_S
+    ) -> None:
         self._registry = registry
+        self._model = model
         self._refresh_s = refresh_s
         self._checked_at = -refresh_s
         self._none_since: float | None = None
@@ -26,7 +30,7 @@ class WorkerWatch:
         if now - self._checked_at >= self._refresh_s:
             self._checked_at = now
             try:
-                live = bool(self._registry.live_worker_ids())
+                live = bool(self._registry.live_worker_ids(self._model))
             except redis.RedisError:
                 return 0.0
             if live:

@@ -27,6 +27,7 @@ from shared.keys import Keys
 from shared.protocol import GenerateRequest, Heartbeat, TokenEvent
 from shared.records import push_event
 from shared.redis_client import connect
+from shared.settings import DEFAULT_MODEL_NAME
 from shared.streams import read_request
 
 EXAMPLES = 500  # per mode, over all operations
@@ -70,8 +71,8 @@ def api_schema(redis_url: str, keys: Keys, tiny_model_path: str, tmp_path: Path)
     client = connect(redis_url)
     now = time.time()
     beat = Heartbeat(
-        worker_id="w0", model="tiny", free_blocks=100, total_blocks=100, block_size=16, num_running=0,
-        num_waiting=0, last_step_time=now, started_at=now, max_model_len=2048,
+        worker_id="w0", model=DEFAULT_MODEL_NAME, free_blocks=100, total_blocks=100, block_size=16,
+        num_running=0, num_waiting=0, last_step_time=now, started_at=now, max_model_len=2048,
     )  # fmt: skip
     client.hset(keys.worker("w0"), mapping=beat.to_hash())  # type: ignore[arg-type]
     client.sadd(keys.workers, "w0")

@@ -16,6 +16,7 @@ from shared.protocol import (
     SchedulerStats,
     WireError,
 )
+from shared.settings import DEFAULT_MODEL_NAME
 from shared.streams import read_request
 from tests.support.gateway_app import (
     CMPL,
@@ -206,7 +207,9 @@ def test_each_prompt_is_checked_and_the_bad_one_named(client, r, keys) -> None:
 @pytest.mark.usefixtures("worker")
 def test_back_pressure_counts_every_prompt(make_app, r, keys, tok) -> None:
     client = make_app(max_queue_len=5).test_client()
-    stats = SchedulerStats(num_waiting=3, num_assigned=0, updated_at=time.time())
+    stats = SchedulerStats(
+        num_waiting=3, num_assigned=0, updated_at=time.time(), waiting_by_model={DEFAULT_MODEL_NAME: 3}
+    )
     r.hset(keys.scheduler_stats, mapping=stats.to_hash())  # type: ignore[arg-type]
     response = client.post(CMPL, json={"prompt": PROMPTS})  # 3 + 3 > 5
     assert assert_openai_error(response, 503, "server_error")["code"] == "overloaded"

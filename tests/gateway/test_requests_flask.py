@@ -13,6 +13,7 @@ from shared.errors import ErrorCode
 from shared.protocol import (
     SchedulerStats,
 )
+from shared.settings import DEFAULT_MODEL_NAME
 from tests.support import REPO
 from tests.support.gateway_app import (
     CHAT,
@@ -182,7 +183,12 @@ def test_no_live_worker_is_503_with_retry_after(client, r, keys) -> None:
 @pytest.mark.usefixtures("worker")
 def test_full_queue_is_503_with_retry_after(make_app, r, keys) -> None:
     client = make_app(max_queue_len=5).test_client()
-    stats = SchedulerStats(num_waiting=5, num_assigned=0, updated_at=time.time())
+    stats = SchedulerStats(
+        num_waiting=6,
+        num_assigned=0,
+        updated_at=time.time(),
+        waiting_by_model={DEFAULT_MODEL_NAME: 5, "other": 1},
+    )
     r.hset(keys.scheduler_stats, mapping=stats.to_hash())  # type: ignore[arg-type]
     response = client.post(CHAT, json={"messages": USER})
     assert assert_openai_error(response, 503, "server_error")["code"] == "overloaded"
@@ -196,9 +202,21 @@ def test_full_queue_is_503_with_retry_after(make_app, r, keys) -> None:
 def test_health_and_ready(client, r, keys) -> None:
     assert client.get("/health").get_json() == {"status": "ok"}
     assert client.get("/ready").status_code == 503
+    add_worker(r, keys, "other-model", model="another-model")  # not a worker of the served model
+    assert client.get("/ready").status_code == 503
     add_worker(r, keys)
     ready = client.get("/ready")
     assert ready.status_code == 200 and ready.get_json()["workers"] == 1
+
+
+def test_only_a_worker_of_another_model_is_503_no_worker_and_an_unknown_model_404(client, r, keys) -> None:
+    add_worker(r, keys, "other-model", model="another-model")
+    response = client.post(CHAT, json={"messages": USER})
+    assert assert_openai_error(response, 503, "server_error")["code"] == "no_worker"
+    assert "Retry-After" in response.headers
+    unknown = client.post(CHAT, json={"model": "another-model", "messages": USER})
+    assert assert_openai_error(unknown, 404, "invalid_request_error")["code"] == "model_not_found"
+    assert queued(r, keys) == 0
 
 
 def test_models(client) -> None:

@@ -179,6 +179,32 @@ def test_least_loaded_routing_spreads_requests(
     assert r.hlen(keys.assigned("w1")) == 3 and r.hlen(keys.assigned("w2")) == 3
 
 
+def test_each_model_has_a_queue_of_its_own_and_only_its_workers(
+    redis_url: str, redis_prefix: str, r: redis.Redis, keys: Keys
+) -> None:
+    svc = make_service(redis_url, redis_prefix)
+    heartbeat(r, keys, "small", free=6, total=10, model="small")  # room for one 4-block prompt
+    heartbeat(r, keys, "large", free=100, total=100, model="large")
+    for rid, model in [("s1", "small"), ("s2", "small"), ("l1", "large"), ("any", "")]:
+        submit(r, keys, make_request(rid, num_blocks=4).model_copy(update={"model": model}))
+    svc.step()
+    # s2 waits for room on the only worker of its model; the large model's request, behind it in arrival
+    # order, is not held up, and a request of no model goes to any worker.
+    assert inbox_rids(r, keys, "small") == ["s1"]
+    assert inbox_rids(r, keys, "large") == ["l1", "any"]
+    stats = SchedulerStats.from_hash(r.hgetall(keys.scheduler_stats))  # type: ignore[arg-type]
+    assert stats.waiting_by_model == {"small": 1} and stats.num_waiting == 1
+    submit(r, keys, make_request("nobody", num_blocks=1).model_copy(update={"model": "absent"}))
+    svc.step()  # a model with no live worker: it waits (the gateway ends it with no_worker after its grace)
+    stats = SchedulerStats.from_hash(r.hgetall(keys.scheduler_stats))  # type: ignore[arg-type]
+    assert stats.waiting_by_model == {"small": 1, "absent": 1}
+    take_in(r, keys, "small", 1, free=2)
+    r.hdel(keys.assigned("small"), "s1")  # the worker finished s1 and gave its blocks back
+    heartbeat(r, keys, "small", free=6, total=10, model="small")
+    svc.step()
+    assert inbox_rids(r, keys, "small") == ["s2"] and inbox_rids(r, keys, "large") == ["l1", "any"]
+
+
 def test_max_running_per_worker(redis_url: str, redis_prefix: str, r: redis.Redis, keys: Keys) -> None:
     svc = make_service(redis_url, redis_prefix, max_running_per_worker=1)
     heartbeat(r, keys, "w1")

@@ -33,6 +33,7 @@ from shared.protocol import (
 )
 from shared.records import push_event
 from shared.sampling import SamplingSpec
+from shared.settings import DEFAULT_MODEL_NAME
 from shared.streams import read_request
 
 TICK_S = 0.05
@@ -43,11 +44,18 @@ LONG = " hi" * 2100  # more tokens than the tiny model's context of 2048
 GRACE_S = 0.5
 
 
-def add_worker(r: redis.Redis, keys: Keys, wid: str = "w0", free: int = 30, total: int = 40) -> None:
+def add_worker(
+    r: redis.Redis,
+    keys: Keys,
+    wid: str = "w0",
+    free: int = 30,
+    total: int = 40,
+    model: str = DEFAULT_MODEL_NAME,  # what the gateway serves by default
+) -> None:
     now = time.time()
     beat = Heartbeat(
         worker_id=wid,
-        model="tiny",
+        model=model,
         free_blocks=free,
         total_blocks=total,
         block_size=16,

@@ -54,11 +54,12 @@ def heartbeat(
     waiting_blocks: int = 0,
     max_model_len: int = 4096,
     draining: bool = False,
+    model: str = "tiny",
 ) -> None:
     """What a worker does every heartbeat interval (a TTL long enough to outlive the test)."""
     hb = Heartbeat(
         worker_id=wid,
-        model="tiny",
+        model=model,
         free_blocks=free,
         total_blocks=total,
         block_size=BLOCK_SIZE,
