@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from gateway.serving.settings import with_tokenizer_folders
 from gateway.settings import GatewaySettings
 from shared.settings import parse_settings
 
@@ -18,10 +19,8 @@ def gunicorn_argv() -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(GatewaySettings, argv, prog="gateway")
-    from shared.model_files import tokenizer_folder
-
     # A GGUF model's tokenizer is extracted (once, cached) here, so gunicorn's workers only load a folder.
-    settings.model = tokenizer_folder(settings.model)
+    with_tokenizer_folders(settings)
     # gunicorn's config and its worker processes read the settings from the environment: hand the
     # flags over that way. exec, so the master is a fresh interpreter that has imported nothing else.
     for name, value in settings.model_dump().items():

@@ -27,7 +27,8 @@ from gateway.serving.attachments import Attachments
 from gateway.serving.errors import APIError, bad_request
 from gateway.serving.event_hub import EventHub
 from gateway.serving.generation import ClientDisconnected, Generation, Limits
-from gateway.serving.prepare import Prepared, check_model, prepare_chat
+from gateway.serving.models import ServedModel, ServedModels
+from gateway.serving.prepare import Prepared, prepare_chat
 from gateway.serving.prompt_batch import PromptBatch, prepare_prompts
 from gateway.serving.responses import ResponseFormat
 from gateway.serving.resume import check_cursor, load_request, parse_event_id
@@ -40,8 +41,6 @@ from gateway.serving.schemas import (
     conversation,
 )
 from gateway.serving.token_receiver import GenerationError
-from gateway.serving.tokenization import load_tokenizer
-from gateway.serving.worker_watch import WorkerWatch
 from gateway.settings import GatewaySettings
 from gateway.sse import batch_event_stream, event_stream
 from shared.errors import ErrorCode
@@ -63,7 +62,6 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.keys = settings.keys
-        self.model_name = settings.served_model_name
         # One client, so one connection pool, per process; a request waits for a connection when all are busy.
         # Every request's subscription goes through the process's one pub/sub connection (the hub).
         self.redis = connect(
@@ -72,12 +70,13 @@ class Gateway:
             client_name=f"{settings.redis_prefix}:gateway",  # CLIENT LIST tells its connections apart
         )
         self.hub = EventHub(self.redis)
-        metrics.declare(self.model_name)
         self.registry = WorkerRegistry(self.redis, self.keys)
-        self.tokenizer = load_tokenizer(settings.model, settings.max_model_len)
+        self.models = ServedModels(settings, self.registry)
+        self.model_name = self.models.default.name
+        for name in self.models.names():
+            metrics.declare(name)
         self.api_keys = [k.encode() for k in sorted(settings.api_key_set())]
         self.created = int(time.time())
-        self.watch = WorkerWatch(self.registry, self.model_name)
         # A reader renews its lease a few times per keep-alive tick, so a live stream never looks dropped.
         self.attachments = Attachments(
             self.redis,
@@ -109,8 +108,8 @@ class Gateway:
         if RESUME_HEADER in request.headers:
             return self._resume(chat=False, event=request.headers[RESUME_HEADER], stream=True)
         body = parse_body(CompletionRequest)
-        check_model(body.model, self.model_name)
-        prepared = prepare_prompts(body, self.tokenizer, self.model_name)
+        model = self.models.get(body.model)
+        prepared = prepare_prompts(body, model.tokenizer, model.name)
         if len(prepared) == 1:
             return self._generate(prepared[0], arrived)
         return self._generate_batch(prepared, arrived)
@@ -120,8 +119,8 @@ class Gateway:
         if RESUME_HEADER in request.headers:
             return self._resume(chat=True, event=request.headers[RESUME_HEADER], stream=True)
         body = parse_body(ChatCompletionRequest)
-        check_model(body.model, self.model_name)
-        return self._generate(prepare_chat(body, self.tokenizer, self.model_name), arrived)
+        model = self.models.get(body.model)
+        return self._generate(prepare_chat(body, model.tokenizer, model.name), arrived)
 
     def completion(self, request_id: str) -> Response:
         return self._retrieve(request_id, chat=False)
@@ -162,7 +161,8 @@ class Gateway:
 
     def _generate(self, prepared: Prepared, arrived: float) -> Response:
         settings = self.settings
-        check_backpressure(self.registry, self.model_name, settings.max_queue_len, settings.heartbeat_ttl_s)
+        model = prepared.request.model
+        check_backpressure(self.registry, model, settings.max_queue_len, settings.heartbeat_ttl_s)
         generation = self._generation(prepared, arrived)
         try:
             generation.submit(self.owner())
@@ -176,7 +176,7 @@ class Gateway:
         settings = self.settings
         check_backpressure(
             self.registry,
-            self.model_name,
+            prepared[0].request.model,
             settings.max_queue_len,
             settings.heartbeat_ttl_s,
             num_requests=len(prepared),
@@ -186,7 +186,8 @@ class Gateway:
             for one in prepared:
                 # No attachment: nobody resumes a prompt of a batch, so a client that drops ends them at once.
                 generation = self._generation(one, arrived, wakeup=batch.wakeup, attach=False)
-                batch.add(generation, ResponseFormat(generation, self.tokenizer, self.model_name))
+                model = self.models.of(one.request)
+                batch.add(generation, ResponseFormat(generation, model.tokenizer, model.name))
             batch.submit(self.owner())
         except BaseException:
             batch.close(reason=None)
@@ -201,23 +202,25 @@ class Gateway:
         wakeup: threading.Event | None = None,
         attach: bool = True,
     ) -> Generation:
+        model = self.models.of(prepared.request)
         return Generation(
             self.redis,
             self.keys,
-            self.tokenizer,
+            model.tokenizer,
             prepared,
             limits=self.limits,
             hub=self.hub,
-            watch=self.watch,
+            watch=model.watch,
             attachments=self.attachments if attach else None,
             arrived=arrived,
             is_disconnected=peer_closed(request.environ),
             wakeup=wakeup,
-            observer=RequestMetrics(self.model_name, arrived, prepared.request.sampling.n),
+            observer=RequestMetrics(model.name, arrived, prepared.request.sampling.n),
         )
 
     def _respond(self, generation: Generation) -> Response:
-        response_format = ResponseFormat(generation, self.tokenizer, self.model_name)
+        model = self.models.of(generation.request)
+        response_format = ResponseFormat(generation, model.tokenizer, model.name)
         if generation.prepared.stream:
             return _streamed(event_stream(generation, response_format), generation.close)
         return _waited(generation.updates(), generation.close) or jsonify(response_format.response())
@@ -229,51 +232,56 @@ class Gateway:
 
     # -- models and tokens --------------------------------------------------------------------------
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, model: ServedModel) -> dict[str, Any]:
         return {
-            "id": self.model_name,
+            "id": model.name,
             "object": "model",
             "created": self.created,
             "owned_by": "pagedserve",
-            "max_model_len": self.tokenizer.max_model_len,
+            "max_model_len": model.tokenizer.max_model_len,
         }
 
-    def models(self) -> Response:
-        return jsonify({"object": "list", "data": [self._model_card()]})
+    def list_models(self) -> Response:
+        """The first model, and every other one a live worker serves."""
+        try:
+            live = {beat.model for beat in self.registry.read().live.values()}
+        except redis.RedisError:
+            live = set()
+        served = [m for m in self.models if m is self.models.default or m.name in live]
+        return jsonify({"object": "list", "data": [self._model_card(m) for m in served]})
 
     def model(self, model_id: str) -> Response:
-        check_model(model_id, self.model_name)
-        return jsonify(self._model_card())
+        return jsonify(self._model_card(self.models.get(model_id)))
 
     def tokenize(self) -> Response:
         data = json_body()
         body: TokenizeChatRequest | TokenizeCompletionRequest
         if "messages" in data:
             body = chat = validate(TokenizeChatRequest, data)
-            check_model(chat.model, self.model_name)
-            tokens = self.tokenizer.encode_chat(
+            tokenizer = self.models.get(chat.model).tokenizer
+            tokens = tokenizer.encode_chat(
                 conversation(chat.messages),
                 add_special_tokens=chat.add_special_tokens,
                 **chat.template_options(),
             )
         else:
             body = plain = validate(TokenizeCompletionRequest, data)
-            check_model(plain.model, self.model_name)
-            tokens = self.tokenizer.encode(plain.prompt, add_special_tokens=plain.add_special_tokens)
+            tokenizer = self.models.get(plain.model).tokenizer
+            tokens = tokenizer.encode(plain.prompt, add_special_tokens=plain.add_special_tokens)
         return jsonify(
             {
                 "tokens": tokens,
                 "count": len(tokens),
-                "max_model_len": self.tokenizer.max_model_len,
-                "token_strs": self.tokenizer.token_strs(tokens) if body.return_token_strs else None,
+                "max_model_len": tokenizer.max_model_len,
+                "token_strs": tokenizer.token_strs(tokens) if body.return_token_strs else None,
             }
         )
 
     def detokenize(self) -> Response:
         body = parse_body(DetokenizeRequest)
-        check_model(body.model, self.model_name)
-        self.tokenizer.check_ids(body.tokens, "tokens")
-        return jsonify({"prompt": self.tokenizer.decode(body.tokens)})
+        tokenizer = self.models.get(body.model).tokenizer
+        tokenizer.check_ids(body.tokens, "tokens")
+        return jsonify({"prompt": tokenizer.decode(body.tokens)})
 
     # -- operations ---------------------------------------------------------------------------------
 
@@ -283,12 +291,13 @@ class Gateway:
     def ready(self) -> tuple[Response, int]:
         try:
             self.redis.ping()
-            workers = self.registry.live_worker_ids(self.model_name)
+            live = [beat.model for beat in self.registry.read().live.values()]
         except redis.RedisError as e:
             return jsonify({"status": "not ready", "reason": f"Redis unavailable: {e}"}), 503
-        if not workers:
-            return jsonify({"status": "not ready", "reason": f"no live worker of {self.model_name}"}), 503
-        return jsonify({"status": "ready", "workers": len(workers)}), 200
+        workers = {name: live.count(name) for name in self.models.names()}
+        if not any(workers.values()):
+            return jsonify({"status": "not ready", "reason": "no live worker of a model served here"}), 503
+        return jsonify({"status": "ready", "workers": sum(workers.values()), "models": workers}), 200
 
     def metrics(self) -> Response:
         body, content_type = metrics.render(self.registry, self.model_name)
@@ -367,7 +376,7 @@ def create_app(settings: GatewaySettings | None = None) -> Flask:
         ("/v1/chat/completions", gateway.chat_completions, ["POST"]),
         ("/v1/completions/<request_id>", gateway.completion, ["GET"]),
         ("/v1/chat/completions/<request_id>", gateway.chat_completion, ["GET"]),
-        ("/v1/models", gateway.models, ["GET"]),
+        ("/v1/models", gateway.list_models, ["GET"]),
         ("/v1/models/<path:model_id>", gateway.model, ["GET"]),
         ("/tokenize", gateway.tokenize, ["POST"]),
         ("/detokenize", gateway.detokenize, ["POST"]),

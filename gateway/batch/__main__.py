@@ -6,16 +6,15 @@ import os
 import socket
 
 from gateway.batch.settings import BatchSettings
+from gateway.serving.settings import with_tokenizer_folders
 from shared.batches import BATCH_QUEUE
 from shared.settings import parse_settings
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(BatchSettings, argv, prog="gateway.batch")
-    from shared.model_files import tokenizer_folder
-
     # A GGUF model's tokenizer is extracted (once, cached) before the worker loads it.
-    settings.model = tokenizer_folder(settings.model)
+    with_tokenizer_folders(settings)
     # The task module reads its settings from the environment (as `celery -A gateway.batch.worker` does).
     for name, value in settings.model_dump().items():
         if value is not None:

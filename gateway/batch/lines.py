@@ -20,15 +20,14 @@ from gateway.serving.batch_records import BatchStore
 from gateway.serving.errors import APIError
 from gateway.serving.event_hub import EventHub
 from gateway.serving.generation import Generation, Limits
-from gateway.serving.prepare import Prepared, check_model, prepare_chat
+from gateway.serving.models import ServedModels
+from gateway.serving.prepare import Prepared, prepare_chat
 from gateway.serving.prompt_batch import PromptBatch, prepare_prompts
 from gateway.serving.responses import ResponseFormat
 from gateway.serving.resume import load_request
 from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.serving.token_receiver import GenerationError
-from gateway.serving.tokenization import Tokenizer
 from gateway.serving.validation import validate
-from gateway.serving.worker_watch import WorkerWatch
 from shared.errors import CodedError, ErrorCode
 
 Json = dict[str, Any]
@@ -90,27 +89,26 @@ class LineContext:
 
     client: redis.Redis
     store: BatchStore
-    tokenizer: Tokenizer
+    models: ServedModels
     hub: EventHub
-    watch: WorkerWatch
     limits: Limits
-    model_name: str
     priority: int
 
     def generation(self, prepared: Prepared, wakeup: Any) -> Generation:
+        model = self.models.of(prepared.request)
         return Generation(
             self.client,
             self.store.keys,
-            self.tokenizer,
+            model.tokenizer,
             prepared,
             limits=self.limits,
             hub=self.hub,
-            watch=self.watch,
+            watch=model.watch,
             wakeup=wakeup,
         )
 
 
-def prepare_line(line: Line, endpoint: str, tokenizer: Tokenizer, model_name: str) -> list[Prepared]:
+def prepare_line(line: Line, endpoint: str, models: ServedModels) -> list[Prepared]:
     """The line's requests (one per prompt), prepared as the endpoint would; LineRefused or APIError."""
     try:
         data = json.loads(line.raw)
@@ -135,11 +133,11 @@ def prepare_line(line: Line, endpoint: str, tokenizer: Tokenizer, model_name: st
     where = f"{endpoint} (batch line {line.number})"
     if is_chat(endpoint):
         chat, _ = validate(ChatCompletionRequest, body, where)
-        check_model(chat.model, model_name)
-        return [prepare_chat(chat, tokenizer, model_name)]
+        model = models.get(chat.model)
+        return [prepare_chat(chat, model.tokenizer, model.name)]
     plain, _ = validate(CompletionRequest, body, where)
-    check_model(plain.model, model_name)
-    return prepare_prompts(plain, tokenizer, model_name)
+    model = models.get(plain.model)
+    return prepare_prompts(plain, model.tokenizer, model.name)
 
 
 class LineRun:
@@ -158,7 +156,7 @@ class LineRun:
         reason that may pass; its claim is released) or the reason stop() gave."""
         ctx, line = self._ctx, self.line
         try:
-            prepared = prepare_line(line, self._endpoint, ctx.tokenizer, ctx.model_name)
+            prepared = prepare_line(line, self._endpoint, ctx.models)
         except CodedError as e:
             refused = isinstance(e, LineRefused)
             outcome = line.refusal(self._batch_id, e.code, e.message) if refused else self._failure(e)
@@ -222,6 +220,7 @@ class LineRun:
         return batch
 
     def _add(self, batch: PromptBatch, generation: Generation) -> None:
-        response_format = ResponseFormat(generation, self._ctx.tokenizer, self._ctx.model_name)
+        model = self._ctx.models.of(generation.request)
+        response_format = ResponseFormat(generation, model.tokenizer, model.name)
         self._formats.append(response_format)
         batch.add(generation, response_format)

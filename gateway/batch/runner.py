@@ -159,7 +159,8 @@ class BatchRunner:
         return "done"
 
     def _worker_up(self) -> bool:
-        return self._ctx.watch.seconds_without_worker() == 0.0
+        """Some model served here has a live worker (a line of a model that has none ends with no_worker)."""
+        return any(model.watch.seconds_without_worker() == 0.0 for model in self._ctx.models)
 
     def _finish(self, bid: str, lines: list[Line], *, expired: bool) -> None:
         """Write the output and error files and end the batch: cancelled when it was being cancelled, expired

@@ -20,8 +20,7 @@ from gateway.serving.batch_records import BatchStore
 from gateway.serving.event_hub import EventHub
 from gateway.serving.file_storage import storage_at
 from gateway.serving.generation import Limits
-from gateway.serving.tokenization import load_tokenizer
-from gateway.serving.worker_watch import WorkerWatch
+from gateway.serving.models import ServedModels
 from shared.batches import RUN_BATCH_TASK
 from shared.errors import ErrorCode
 from shared.redis_client import connect
@@ -56,11 +55,9 @@ def build_runner(settings: BatchSettings) -> BatchRunner:
     ctx = LineContext(
         client=client,
         store=store,
-        tokenizer=load_tokenizer(settings.model, settings.max_model_len),
+        models=ServedModels(settings, WorkerRegistry(client, keys)),
         hub=EventHub(client),
-        watch=WorkerWatch(WorkerRegistry(client, keys), settings.served_model_name),
         limits=limits,
-        model_name=settings.served_model_name,
         priority=settings.batch_priority,
     )
     files = FileStore(client, keys, storage_at(settings.batch_storage_dir))

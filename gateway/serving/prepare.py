@@ -8,7 +8,7 @@ import uuid
 import pydantic
 from pydantic import Field
 
-from gateway.serving.errors import APIError, bad_request, from_validation_error
+from gateway.serving.errors import bad_request, from_validation_error
 from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody, conversation
 from gateway.serving.structured_params import StructuredError
 from gateway.serving.tokenization import Tokenizer
@@ -40,15 +40,6 @@ class Prepared(RequestMeta):
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise APIError(
-            ErrorCode.MODEL_NOT_FOUND,
-            f"the model '{requested}' does not exist; this server serves '{served}'",
-            param="model",
-        )
 
 
 def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, model: str = "") -> Prepared:

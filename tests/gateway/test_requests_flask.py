@@ -14,6 +14,7 @@ from shared.protocol import (
     SchedulerStats,
 )
 from shared.settings import DEFAULT_MODEL_NAME
+from shared.streams import read_request
 from tests.support import REPO
 from tests.support.gateway_app import (
     CHAT,
@@ -226,6 +227,30 @@ def test_models(client) -> None:
     assert card["id"] == "SmolLM2-135M-Instruct" and card["owned_by"] == "pagedserve"
     assert card["max_model_len"] == 2048
     assert client.get("/v1/models/SmolLM2-135M-Instruct").get_json()["id"] == card["id"]
+
+
+def test_several_models_behind_one_gateway(make_app, r, keys, tiny_model_path) -> None:
+    client = make_app(extra_models=f"small={tiny_model_path}", max_model_len=1024).test_client()
+    add_worker(r, keys)  # a worker of the first model only
+    assert [m["id"] for m in client.get("/v1/models").get_json()["data"]] == ["SmolLM2-135M-Instruct"]
+    # Served here but with no live worker: 503 no_worker, not a request that waits for nobody.
+    response = client.post(CHAT, json={"model": "small", "messages": USER})
+    assert assert_openai_error(response, 503, "server_error")["code"] == "no_worker"
+    add_worker(r, keys, "w-small", model="small")
+    listing = client.get("/v1/models").get_json()["data"]
+    assert [m["id"] for m in listing] == ["SmolLM2-135M-Instruct", "small"]
+    assert listing[1]["max_model_len"] == 1024
+    assert client.get("/v1/models/small").get_json()["id"] == "small"
+    assert client.get("/ready").get_json()["models"] == {"SmolLM2-135M-Instruct": 1, "small": 1}
+    # Each request is queued for its model (the scheduler gives it only to that model's workers).
+    for model in ("small", None, "SmolLM2-135M-Instruct"):
+        body = {"prompt": "hi", "max_tokens": 1, "stream": True, **({"model": model} if model else {})}
+        client.post(CMPL, json=body).close()  # queued, then dropped by its client: nobody answers it
+    models = [read_request(fields).model for _, fields in r.xrange(keys.requests)]
+    assert models == ["small", "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"]
+    unknown = client.post(CMPL, json={"model": "nope", "prompt": "hi"})
+    assert assert_openai_error(unknown, 404)["code"] == "model_not_found"
+    assert "'small'" in unknown.get_json()["error"]["message"]
 
 
 def test_tokenize_and_detokenize(client, tok) -> None:
