@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make run`: the whole suite on this machine - a Redis (when none answers at REDIS_URL), the scheduler,
-# WORKERS workers (default 1; on the CPU when there is no GPU), BATCH_WORKERS batch workers (Celery, default 1)
-# and the gateway on http://HOST:PORT.
+# WORKERS workers (default 1; on the CPU when there is no GPU), one worker for each of EXTRA_MODELS,
+# BATCH_WORKERS batch workers (Celery, default 1) and the gateway on http://HOST:PORT.
 # A service that exits on its own is started again after RESTART_DELAY_S (as compose's restart policy does).
 # Ctrl-C stops everything this script started. Settings: the environment, as listed by each service's --help.
 set -euo pipefail
@@ -72,6 +72,14 @@ fi
 
 supervise scheduler "$PY" -m scheduler_svc & pids+=($!)
 for i in $(seq "$WORKERS"); do supervise "worker $i" "$PY" -m gpu_worker & pids+=($!); done
+# EXTRA_MODELS (name=model pairs, comma-separated): the gateway and the batch workers serve those too, and one
+# worker of each starts here (SERVED_MODEL_NAME=name MODEL=model).
+IFS=',' read -ra extra_models <<< "${EXTRA_MODELS:-}"
+for pair in "${extra_models[@]}"; do
+  [ -n "$pair" ] || continue
+  name=${pair%%=*} model=${pair#*=}
+  SERVED_MODEL_NAME=$name MODEL=$model supervise "worker of $name" "$PY" -m gpu_worker & pids+=($!)
+done
 for i in $(seq "$BATCH_WORKERS"); do supervise "batch worker $i" "$PY" -m gateway.batch & pids+=($!); done
 supervise gateway "$PY" -m gateway & pids+=($!)
 

@@ -60,13 +60,13 @@ def test_the_manual_states_every_setting_as_the_code_does() -> None:
 def test_compose_restarts_every_service() -> None:
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     assert {name: s.get("restart") for name, s in compose["services"].items()} == dict.fromkeys(
-        ["redis", *COMPOSE_SERVICES], "unless-stopped"
+        ["redis", *COMPOSE_SERVICES, "worker-second"], "unless-stopped"
     )
 
 
 def test_compose_uses_only_known_settings() -> None:
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
-    for service, cls in COMPOSE_SERVICES.items():
+    for service, cls in [*COMPOSE_SERVICES.items(), ("worker-second", WorkerSettings)]:
         environment = compose["services"][service]["environment"]
         unknown = set(environment) - env_names(cls)
         assert not unknown, f"{service}: {unknown}"
