@@ -292,7 +292,7 @@ def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(cluster: Cluster) -> 
     client = cluster.client()
     keys = cluster.keys
     prefix = [300 + i for i in range(6 * 16)]  # six blocks of 16 tokens
-    body = {"model": MODEL_NAME, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    body = {"model": MODEL_NAME, "max_tokens": 1000, "stream": True, "ignore_eos": True}
     with requests.post(
         f"{cluster.base_url}/v1/completions", json={**body, "prompt": [9] * 800}, stream=True, timeout=60
     ) as busy:
@@ -306,7 +306,7 @@ def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(cluster: Cluster) -> 
     assert not first.usage.prompt_tokens_details.cached_tokens
     second = client.completions.create(model=MODEL_NAME, prompt=prefix + [8, 9], max_tokens=1)
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
-    assert second.usage.prompt_tokens_details.cached_tokens == len(prefix), holder
+    assert second.usage.prompt_tokens_details.cached_tokens == len(prefix), (holder, busy_worker)
     stats = cluster.redis.hgetall(keys.scheduler_stats)
     assert json.loads(stats["routing_policy"]) == "prefix" and json.loads(stats["routed_matched_blocks"]) >= 6
 
