@@ -121,3 +121,34 @@ def test_control_plane_smoke(tmp_path: Path) -> None:
     streams = results["streams"]
     assert streams["errors"] == streams["incomplete"] == 0  # one of two worker processes was killed
     assert streams["itl_gateway_ms"][50] > 0 and streams["itl_direct_ms"][50] > 0
+
+
+def test_routing_smoke(
+    tiny_model_path: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The routing benchmark end to end, small: both policies, two workers on the tiny model, 10 simulated."""
+    import routing
+
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    results = routing.main(
+        ["--model", tiny_model_path, "--groups", "2", "--rounds", "2", "--concurrency", "2",
+         "--max-tokens", "4", "--hot-requests", "4", "--hot-concurrency", "4", "--workers", "10",
+         "--requests", "300", "--prefixes", "50", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert json.loads((tmp_path / "routing.json").read_text()) == results
+    assert (tmp_path / "routing.png").stat().st_size > 0
+    prompt_len = routing.SCALE_PREFIX_LEN + routing.SCALE_SUFFIX_LEN
+    for policy in routing.POLICIES:
+        groups, hot, scale = (results[policy][name] for name in ("groups", "hot", "scale"))
+        assert groups["requests"] == 4 and hot["requests"] == 4 and groups["failed"] == hot["failed"] == 0
+        # The oracle's one cache holds every prefix: only a prefix's first request misses there.
+        assert 0 <= groups["hit_fraction"] <= groups["oracle"]["tokens"] <= 1
+        assert 0 < groups["ttft_ms"]["p50"] <= groups["ttft_ms"]["p99"]
+        assert sorted(hot["worker_prompt_share"]) == ["w0", "w1"]
+        assert sum(hot["worker_prompt_share"].values()) == pytest.approx(1)
+        assert scale["workers"] == 10 and scale["requests"] == 300 and scale["admissions_per_s"] > 0
+        assert scale["lost"] == scale["duplicated"] == 0
+        assert sum(scale["worker_prompt_tokens"]) == 300 * prompt_len
+        assert 0 <= scale["routed_hit_fraction"] <= 1 and 0 < scale["oracle"]["blocks"] < 1
+    assert results["load"]["scale"]["routed_hit_fraction"] == 0  # only routing by prefix matches prompts
+    assert {v["target"].split(":")[0] for v in results["verdicts"]} == {"groups", "hot", "scale"}
