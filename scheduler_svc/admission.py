@@ -16,8 +16,9 @@ most blocks available, and reserves them all.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from scheduler_svc.queue import QueuedRequest
 from shared.errors import ErrorCode, RequestRejected
@@ -108,8 +109,16 @@ def never_fits(request: GenerateRequest, shapes: set[Shape]) -> RequestRejected 
     )
 
 
-# (entry, block size) -> per worker, the blocks from the prompt's start its prefix cache holds.
-Matcher = Callable[[QueuedRequest, int], dict[str, int]]
+class Matcher(Protocol):
+    """What admission asks of the prefix index (scheduler_svc.prefix_index.PrefixMatcher)."""
+
+    def matches(self, entry: QueuedRequest, block_size: int) -> dict[str, int]:
+        """Per worker, the blocks from the prompt's start its prefix cache holds."""
+        ...
+
+    def chosen(self, entry: QueuedRequest, worker_id: str, block_size: int) -> None:
+        """The entry goes to worker_id: the worker is to compute its prompt."""
+        ...
 
 
 @dataclass(slots=True)
@@ -150,15 +159,14 @@ class RoomHeap:
     ) -> tuple[Choice, Choice | None] | None:
         """The best room with space for request now (charged), and the runner-up; None if none has space."""
         blocks = {bs: request.num_blocks_for_prompt(bs) for bs in self._block_sizes}
-        choices = []
+        found = None
         if matches is not None:
-            choices = self._choices(request, max_running, blocks, matches, self.load_limit())
-        if not choices:  # by load alone, or no worker under the load limit has room
-            choices = self._choices(request, max_running, blocks, matches or {}, None)
-        if not choices:
+            found = self._best_two(request, max_running, blocks, matches, self.load_limit())
+        if found is None:  # by load alone, or no worker under the load limit has room
+            found = self._best_two(request, max_running, blocks, matches or {}, None)
+        if found is None:
             return None
-        choices.sort(key=lambda c: (-c.score, c.room.load, c.room.worker_id))
-        best = choices[0]
+        best, runner_up = found
         room = best.room
         room.available_blocks -= best.needed
         room.num_assigned += 1
@@ -166,7 +174,7 @@ class RoomHeap:
         version = self._versions[room.worker_id] = self._versions[room.worker_id] + 1
         heapq.heappush(self._heap, (-room.available_blocks, room.load, room.worker_id, version, room))
         heapq.heappush(self._loads, (room.num_assigned, room.worker_id, version))
-        return best, (choices[1] if len(choices) > 1 else None)
+        return best, runner_up
 
     def load_limit(self) -> float:
         """The most assignments a worker may hold to be chosen by prefix: LOAD_RATIO x those of the least
@@ -175,27 +183,50 @@ class RoomHeap:
             heapq.heappop(self._loads)  # stale
         return LOAD_RATIO * self._loads[0][0] + LOAD_SLACK
 
-    def _choices(
+    def _best_two(
         self,
         request: GenerateRequest,
         max_running: int,
         blocks: dict[int, int],
         matches: dict[str, int],
         limit: float | None,
-    ) -> list[Choice]:
-        """The matched rooms with space, and the best other room with space, under the load limit if any."""
-        choices = []
+    ) -> tuple[Choice, Choice | None] | None:
+        """The best two of: the matched rooms with space, and the first room in heap order with space for
+        the whole prompt (under the load limit, if any). That room, the freest, can only lose to a holder of
+        the prompt: when it is a holder itself, its matched choice stands for it."""
+        # NOTE: tuples, not Choice objects, in this loop: a popular prefix has every worker for a holder.
+        best: tuple[tuple[float, int, str], WorkerRoom, int, int, float] | None = None
+        runner_up = best
+        num_tokens = len(request.prompt_token_ids)
         for wid, matched in matches.items():
             room = self._rooms.get(wid)
             if room is None or (limit is not None and room.num_assigned > limit):
                 continue
-            needed = blocks[room.block_size] - matched
-            if self._fits(room, request, max_running, needed):
-                choices.append(Choice.of(room, needed, matched))
-        other = self._best_other(request, max_running, blocks, matches, limit)
-        if other is not None:
-            choices.append(Choice.of(other, blocks[other.block_size], 0))
-        return choices
+            prompt = blocks[room.block_size]
+            needed = prompt - matched
+            if needed > room.available_blocks or room.num_assigned >= max_running:
+                continue
+            if num_tokens >= room.max_model_len or room.capacity_blocks <= 0:
+                continue
+            score = PREFIX_WEIGHT * matched / prompt + room.available_blocks / room.capacity_blocks
+            key = (-score, room.load, wid)
+            if best is None or key < best[0]:
+                best, runner_up = (key, room, needed, matched, score), best
+            elif runner_up is None or key < runner_up[0]:
+                runner_up = (key, room, needed, matched, score)
+        other = self._best_other(request, max_running, blocks, limit)
+        if other is not None and other.worker_id not in matches:
+            choice = Choice.of(other, blocks[other.block_size], 0)
+            key = (-choice.score, other.load, other.worker_id)
+            entry = (key, other, choice.needed, 0, choice.score)
+            if best is None or key < best[0]:
+                best, runner_up = entry, best
+            elif runner_up is None or key < runner_up[0]:
+                runner_up = entry
+        if best is None:
+            return None
+        second = None if runner_up is None else Choice(*runner_up[1:])
+        return Choice(*best[1:]), second
 
     @staticmethod
     def _fits(room: WorkerRoom, request: GenerateRequest, max_running: int, needed: int) -> bool:
@@ -206,15 +237,9 @@ class RoomHeap:
         )
 
     def _best_other(
-        self,
-        request: GenerateRequest,
-        max_running: int,
-        blocks: dict[int, int],
-        matched: dict[str, int],
-        limit: float | None,
+        self, request: GenerateRequest, max_running: int, blocks: dict[int, int], limit: float | None
     ) -> WorkerRoom | None:
-        """The first room in heap order with space for the whole prompt, among those not in matched (and
-        under the load limit, if any)."""
+        """The first room in heap order with space for the whole prompt (and under the load limit, if any)."""
         passed = []
         found = None
         while self._heap:
@@ -226,10 +251,8 @@ class RoomHeap:
             needed = blocks[room.block_size]
             if needed > room.available_blocks and len(self._block_sizes) == 1:
                 break  # the most available blocks of all, and too few: none has enough
-            if (
-                wid not in matched
-                and (limit is None or room.num_assigned <= limit)
-                and self._fits(room, request, max_running, needed)
+            if (limit is None or room.num_assigned <= limit) and self._fits(
+                room, request, max_running, needed
             ):
                 found = room
                 break
@@ -255,11 +278,15 @@ def plan_admissions(
             decisions.append(Reject(entry, error))
             continue
         # NOTE: prefixes are matched when every worker has the same block size (one set of hashes).
-        matches = matcher(entry, block_size) if matcher is not None and block_size is not None else None
+        matches = (
+            matcher.matches(entry, block_size) if matcher is not None and block_size is not None else None
+        )
         taken = heap.take(entry.request, max_running, matches)
         if taken is None:
             break
         best, runner_up = taken
+        if matcher is not None and block_size is not None:
+            matcher.chosen(entry, best.room.worker_id, block_size)
         decisions.append(
             Admit(
                 entry,

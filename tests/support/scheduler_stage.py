@@ -21,6 +21,7 @@ from shared.sampling import SamplingSpec
 from shared.streams import SCHEDULER_GROUP, next_stream_id, queue_request, read_inbox_entry
 
 _arrival = itertools.count(1)
+_prompts = itertools.count(1)
 
 
 BLOCK_SIZE = 16
@@ -29,10 +30,11 @@ BLOCK_SIZE = 16
 def make_request(
     rid: str, num_blocks: int = 1, priority: int = 0, n: int = 1, arrival_time: float | None = None
 ) -> GenerateRequest:
-    """A request whose prompt fills `num_blocks` blocks exactly."""
+    """A request whose prompt fills `num_blocks` blocks exactly, and shares no block with another's."""
+    first = next(_prompts) * 100_000
     return GenerateRequest(
         request_id=rid,
-        prompt_token_ids=list(range(num_blocks * BLOCK_SIZE)),
+        prompt_token_ids=list(range(first, first + num_blocks * BLOCK_SIZE)),
         sampling=SamplingSpec(n=n, max_tokens=8),
         priority=priority,
         arrival_time=next(_arrival) if arrival_time is None else arrival_time,
