@@ -16,9 +16,8 @@ most blocks available, and reserves them all.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 from scheduler_svc.queue import QueuedRequest
 from shared.errors import ErrorCode, RequestRejected
@@ -109,16 +108,8 @@ def never_fits(request: GenerateRequest, shapes: set[Shape]) -> RequestRejected 
     )
 
 
-class Matcher(Protocol):
-    """What admission asks of the prefix index (scheduler_svc.prefix_index.PrefixMatcher)."""
-
-    def matches(self, entry: QueuedRequest, block_size: int) -> dict[str, int]:
-        """Per worker, the blocks from the prompt's start its prefix cache holds."""
-        ...
-
-    def chosen(self, entry: QueuedRequest, worker_id: str, block_size: int) -> None:
-        """The entry goes to worker_id: the worker is to compute its prompt."""
-        ...
+# (entry, block size) -> per worker, the blocks from the prompt's start its prefix cache holds.
+Matcher = Callable[[QueuedRequest, int], dict[str, int]]
 
 
 @dataclass(slots=True)
@@ -278,15 +269,11 @@ def plan_admissions(
             decisions.append(Reject(entry, error))
             continue
         # NOTE: prefixes are matched when every worker has the same block size (one set of hashes).
-        matches = (
-            matcher.matches(entry, block_size) if matcher is not None and block_size is not None else None
-        )
+        matches = matcher(entry, block_size) if matcher is not None and block_size is not None else None
         taken = heap.take(entry.request, max_running, matches)
         if taken is None:
             break
         best, runner_up = taken
-        if matcher is not None and block_size is not None:
-            matcher.chosen(entry, best.room.worker_id, block_size)
         decisions.append(
             Admit(
                 entry,

@@ -4,23 +4,17 @@ streams (shared.kv_events), and how much of a prompt each worker holds."""
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
 from collections.abc import Collection, Sequence
 from typing import Any, cast
 
 import redis
 
-from scheduler_svc.queue import QueuedRequest
 from shared.keys import Keys
 from shared.kv_events import KVEvent, decode_hashes
 
 log = logging.getLogger(__name__)
 
 READ_COUNT = 1000  # entries per worker per read
-# A prompt just sent to a worker counts as held there this long: requests that share it and come before the
-# worker has computed it (and published its blocks) follow it there, instead of each going to the freest.
-PENDING_S = 10.0
 
 
 class PrefixIndex:
@@ -29,9 +23,6 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._holders: dict[int, set[str]] = {}
         self._held: dict[str, set[int]] = {}
-        # Blocks expected on a worker (expect()): hash -> worker -> until when; in the order they expire.
-        self._pending: dict[int, dict[str, float]] = {}
-        self._expiry: deque[tuple[float, str, list[int]]] = deque()
 
     def __len__(self) -> int:
         """Distinct block hashes held by some worker."""
@@ -73,66 +64,25 @@ class PrefixIndex:
             if not holders:
                 del self._holders[h]
 
-    def expect(self, worker_id: str, hashes: Sequence[int], until: float) -> None:
-        """The worker was just sent a prompt of these blocks: count them as held there until `until` (by
-        then its KV events say what it really holds)."""
-        for h in hashes:
-            self._pending.setdefault(h, {})[worker_id] = until
-        self._expiry.append((until, worker_id, list(hashes)))
-
-    def expire(self, now: float) -> None:
-        """Forget the expectations that ran out by now."""
-        while self._expiry and self._expiry[0][0] <= now:
-            _, wid, hashes = self._expiry.popleft()
-            for h in hashes:
-                waiting = self._pending.get(h)
-                if waiting is not None and waiting.get(wid, now + 1) <= now:
-                    del waiting[wid]
-                    if not waiting:
-                        del self._pending[h]
-
-    def _holders_of(self, h: int) -> Collection[str]:
-        held = self._holders.get(h)
-        pending = self._pending.get(h)
-        if pending is None:
-            return held or ()
-        return held | pending.keys() if held else pending.keys()
-
     def matches(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Per worker that holds (or is expected to hold) the first block: how many consecutive blocks from
-        the start it holds."""
+        """Per worker that holds the first block: how many consecutive blocks from the start it holds."""
         if not hashes:
             return {}
-        first = self._holders_of(hashes[0])
+        first = self._holders.get(hashes[0])
         if not first:
             return {}
         counts = dict.fromkeys(first, 1)
         alive = set(first)
         for h in hashes[1:]:
-            holders = self._holders_of(h)
+            holders = self._holders.get(h)
             if not holders:
                 break
-            alive.intersection_update(holders)
+            alive &= holders
             if not alive:
                 break
             for wid in alive:
                 counts[wid] += 1
         return counts
-
-
-class PrefixMatcher:
-    """Admission's view of the index (scheduler_svc.admission.Matcher): a prompt's matches, and the prompt
-    expected on the worker it was sent to for PENDING_S."""
-
-    def __init__(self, index: PrefixIndex, pending_s: float = PENDING_S) -> None:
-        self.index = index
-        self._pending_s = pending_s
-
-    def matches(self, entry: QueuedRequest, block_size: int) -> dict[str, int]:
-        return self.index.matches(entry.prompt_hashes(block_size))
-
-    def chosen(self, entry: QueuedRequest, worker_id: str, block_size: int) -> None:
-        self.index.expect(worker_id, entry.prompt_hashes(block_size), time.monotonic() + self._pending_s)
 
 
 class KVEventReader:
@@ -152,7 +102,6 @@ class KVEventReader:
     def update(self, live_worker_ids: Collection[str]) -> None:
         """Forget workers no longer live, read what the others published since the last update, resync
         those new to it or whose stream does not follow on (two round trips at most)."""
-        self.index.expire(time.monotonic())
         for wid in [w for w in self._cursors if w not in live_worker_ids]:
             self._forget(wid)
         resync = [wid for wid in live_worker_ids if wid not in self._cursors]

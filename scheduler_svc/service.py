@@ -22,7 +22,7 @@ from scheduler_svc.admission import (
     shapes_of,
 )
 from scheduler_svc.failover import Failover
-from scheduler_svc.prefix_index import KVEventReader, PrefixMatcher
+from scheduler_svc.prefix_index import KVEventReader
 from scheduler_svc.queue import ModelQueues, QueuedRequest, QueueTimes
 from scheduler_svc.reserve import Reserver
 from scheduler_svc.settings import SchedulerSettings
@@ -67,7 +67,6 @@ class SchedulerService:
             self.client, self.keys, settings.watermark_blocks, settings.max_running_per_worker
         )
         self.kv = KVEventReader(self.client, self.keys) if settings.routing_policy == "prefix" else None
-        self.matcher = PrefixMatcher(self.kv.index) if self.kv is not None else None
         self.routed_prompt_blocks = 0
         self.routed_matched_blocks = 0
         self._fresh: list[QueuedRequest] = []  # read this step: checked at once against every worker
@@ -205,7 +204,7 @@ class SchedulerService:
         flags, then one MULTI/EXEC."""
         rooms = self.view.rooms(self.settings.watermark_blocks)
         fresh, self._fresh = self._fresh, []
-        matcher = self.matcher
+        matcher = self._matches if self.kv else None
         decisions: list[Decision] = []
         for model, queue in self.queue.queues().items():
             mine = rooms_of(rooms, model)
@@ -224,6 +223,10 @@ class SchedulerService:
                 decisions.append(Reject(entry, error))
         if decisions:
             self._commit(decisions)
+
+    def _matches(self, entry: QueuedRequest, block_size: int) -> dict[str, int]:
+        assert self.kv is not None
+        return self.kv.index.matches(entry.prompt_hashes(block_size))
 
     def _commit(self, decisions: list[Decision]) -> None:
         """Hand admitted requests on (the admit script reserves, queues and acknowledges each atomically) and

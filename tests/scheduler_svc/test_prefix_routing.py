@@ -3,7 +3,7 @@ the worker's own publisher over a real block allocator), and the admission that 
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
 import redis
 
@@ -11,7 +11,7 @@ from gpu_worker.engine.block_allocator import BlockAllocator
 from gpu_worker.kv_publisher import KVPublisher
 from scheduler_svc.admission import LOAD_SLACK, Admit, WorkerRoom, plan_admissions
 from scheduler_svc.failover import Failover
-from scheduler_svc.prefix_index import PENDING_S, KVEventReader, PrefixIndex, PrefixMatcher
+from scheduler_svc.prefix_index import KVEventReader, PrefixIndex
 from scheduler_svc.queue import QueuedRequest, WaitingQueue
 from shared.keys import Keys
 from shared.prefix import block_hashes
@@ -148,7 +148,8 @@ def test_a_request_goes_where_its_prefix_is_and_reserves_only_what_is_computed_t
     index = PrefixIndex()
     index.store("w2", block_hashes(PREFIX, BLOCK_SIZE))
 
-    matcher = PrefixMatcher(index)
+    def matcher(entry: QueuedRequest, block_size: int) -> dict[str, int]:
+        return index.matches(entry.prompt_hashes(block_size))
 
     rooms = [room("w1", 100), room("w2", 60)]  # w1 has far more room
     (admit,) = plan_admissions(queue_of([conversation("a")]), rooms, 256, matcher)
@@ -171,7 +172,8 @@ def test_a_prefix_every_request_shares_spreads_over_the_workers() -> None:
     index.store("w1", block_hashes(PREFIX, BLOCK_SIZE))  # only w1 has seen it so far
     held: set[str] = {"w1"}
 
-    matcher = PrefixMatcher(index)
+    def matcher(entry: QueuedRequest, block_size: int) -> dict[str, int]:
+        return index.matches(entry.prompt_hashes(block_size))
 
     rooms = [room("w1", 500), room("w2", 500)]
     requests = [conversation(f"r{i}", salt=i) for i in range(40)]
@@ -188,10 +190,10 @@ def test_a_prefix_every_request_shares_spreads_over_the_workers() -> None:
     assert abs(chosen.count("w1") - chosen.count("w2")) <= LOAD_SLACK + 1
 
 
-def only_w1_holds_the_prefix() -> PrefixMatcher:
+def only_w1_holds_the_prefix() -> Callable[[QueuedRequest, int], dict[str, int]]:
     index = PrefixIndex()
     index.store("w1", block_hashes(PREFIX, BLOCK_SIZE))
-    return PrefixMatcher(index)
+    return lambda entry, block_size: index.matches(entry.prompt_hashes(block_size))
 
 
 def test_an_overloaded_holder_is_passed_over_only_while_another_has_room() -> None:
@@ -209,23 +211,6 @@ def test_an_overloaded_holder_is_passed_over_only_while_another_has_room() -> No
         only_w1_holds_the_prefix(),
     )
     assert isinstance(held, Admit) and (held.worker_id, held.reserved_blocks) == ("w1", 2)
-
-
-def test_requests_sharing_a_prefix_follow_the_first_before_its_blocks_are_computed() -> None:
-    index = PrefixIndex()  # nobody has computed anything yet
-    rooms = [room(f"w{i}", 500) for i in range(4)]
-    requests = [conversation(f"r{i}", salt=i) for i in range(4)]
-    decisions = plan_admissions(queue_of(requests), rooms, 256, PrefixMatcher(index))
-    chosen = [d.worker_id for d in decisions if isinstance(d, Admit)]
-    # The first went to the freest; the others found its prefix expected there (within the load limit).
-    assert len(set(chosen)) == 1 and [d.matched_blocks for d in decisions if isinstance(d, Admit)] == [
-        0,
-        8,
-        8,
-        8,
-    ]
-    index.expire(time.monotonic() + PENDING_S + 1)  # the worker never said it computed them
-    assert index.matches(block_hashes(PREFIX, BLOCK_SIZE)) == {}
 
 
 # -- the scheduler, on Redis --------------------------------------------------------------------------
