@@ -27,8 +27,8 @@ thread each, DTYPE float32 unless set) behind one gateway (one gunicorn worker).
   policies. Hit fraction as routed (the scheduler's routed_matched_blocks / routed_prompt_blocks) and as
   found (the workers' counters, in tokens); max/min of the prompt tokens the workers took in. Every request
   must have run exactly once.
-- two models (placeholder): routing between workers of different models needs the scheduler's many-models
-  support, which is not there yet.
+- models: two simulated workers of two models, one model flooded with requests: the other's queue time
+  against its idle value (benchmarks/model_queues.py; once, not per policy).
 
 The oracle: one LRU cache with as many blocks as all the workers together, fed the same prompts in the same
 order block by block (a prompt's run of cached blocks from its start are hits, then all its blocks are used,
@@ -60,6 +60,8 @@ import httpx
 import openai
 import redis
 from control_plane import Processes, scheduler_stats, served_once, wait_for
+from model_queues import print_table as print_models
+from model_queues import run_models
 from services import delete_keys
 from workloads import FIRST_TOKEN_ID, percentile, save_figure, write_json
 
@@ -72,7 +74,7 @@ from shared.sampling import SamplingSpec
 from shared.streams import queue_request
 
 POLICIES = ("prefix", "load")
-SCENARIOS = ("groups", "hot", "scale")
+SCENARIOS = ("groups", "hot", "scale", "models")
 TARGETS = {"groups_hit": 0.8, "groups_ttft": 0.5, "hot_share": 0.3, "admissions_per_s": 5000.0,
            "max_min_load": 1.5}  # fmt: skip
 BLOCK_SIZE = 16
@@ -410,6 +412,15 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
                 ratio is not None and ratio <= t["max_min_load"],
             ),
         ]
+    if "models" in results:
+        m = results["models"]
+        out.append(
+            (
+                f"models: flooded / idle queue time <= {m['target_ratio']:g}",
+                f"{m['ratio']:.2f}",
+                m["ratio"] <= m["target_ratio"],
+            )
+        )
     return [{"target": target, "result": result, "met": met} for target, result, met in out]  # fmt: skip
 
 
@@ -518,6 +529,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=100, help="scale: simulated workers")
     parser.add_argument("--requests", type=int, default=20000, help="scale: requests in the burst")
     parser.add_argument("--prefixes", type=int, default=2000, help="scale: prefixes the prompts draw from")
+    parser.add_argument("--probes", type=int, default=20, help="models: probes of the second model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results", help="folder of routing.json and .png")
     return parser.parse_args(argv)
@@ -547,10 +559,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "scale" in args.scenarios:
         cost = results["prefix"]["scale"]["us_per_admission"] - results["load"]["scale"]["us_per_admission"]
         results["routing_us_per_request"] = cost
+    if "models" in args.scenarios:
+        results["models"] = run_models(base, logs, args.probes)
+        print("models done", flush=True)
     results["verdicts"] = verdicts(results)
     path = write_json(results, out / "routing.json")
     plot(results, out / "routing.png")
     print_tables(results)
+    if "models" in results:
+        print_models(results["models"])
     print(f"\nwrote {path} and {out / 'routing.png'}")
     return results
 

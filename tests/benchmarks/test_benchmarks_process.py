@@ -133,7 +133,7 @@ def test_routing_smoke(
     results = routing.main(
         ["--model", tiny_model_path, "--groups", "2", "--rounds", "2", "--concurrency", "2",
          "--max-tokens", "4", "--hot-requests", "4", "--hot-concurrency", "4", "--workers", "10",
-         "--requests", "300", "--prefixes", "50", "--out", str(tmp_path)]
+         "--requests", "300", "--prefixes", "50", "--probes", "3", "--out", str(tmp_path)]
     )  # fmt: skip
     assert json.loads((tmp_path / "routing.json").read_text()) == results
     assert (tmp_path / "routing.png").stat().st_size > 0
@@ -151,4 +151,7 @@ def test_routing_smoke(
         assert sum(scale["worker_prompt_tokens"]) == 300 * prompt_len
         assert 0 <= scale["routed_hit_fraction"] <= 1 and 0 < scale["oracle"]["blocks"] < 1
     assert results["load"]["scale"]["routed_hit_fraction"] == 0  # only routing by prefix matches prompts
-    assert {v["target"].split(":")[0] for v in results["verdicts"]} == {"groups", "hot", "scale"}
+    assert {v["target"].split(":")[0] for v in results["verdicts"]} == {"groups", "hot", "scale", "models"}
+    models = results["models"]  # the probes of one model ran while the other's queue held a backlog
+    assert models["probes"] == 3 and models["model_a_waiting_at_start"] > 0
+    assert models["idle_ms_mean"] > 0 and models["flooded_ms_mean"] > 0
