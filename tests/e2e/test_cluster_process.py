@@ -454,7 +454,11 @@ def test_redis_memory_stays_bounded(cluster: Cluster) -> None:
     assert after == before
     keys = cluster.keys
     live = cluster.worker_ids()
-    per_worker = [key for w in live for key in (keys.inbox(w), keys.assigned(w), keys.reserved(w))]
+    per_worker = [
+        key
+        for w in live
+        for key in (keys.inbox(w), keys.assigned(w), keys.reserved(w), keys.kv_blocks(w), keys.kv_events(w))
+    ]
     assert after <= {keys.requests, keys.workers, *per_worker}  # none of them per request
     assert cluster.redis.xlen(keys.requests) == 0
     assert all(cluster.redis.xlen(keys.inbox(w)) == 0 for w in live)
