@@ -17,8 +17,7 @@ from shared.keys import Keys
 from shared.prefix import block_hashes
 from shared.protocol import GenerateRequest, SchedulerStats
 from shared.sampling import SamplingSpec
-from tests.scheduler_svc.test_scheduler import make_service
-from tests.support.scheduler_stage import BLOCK_SIZE, heartbeat, inbox, reserved, submit
+from tests.support.scheduler_stage import BLOCK_SIZE, heartbeat, inbox, make_service, reserved, submit
 
 PREFIX = list(range(1000, 1000 + 8 * BLOCK_SIZE))  # eight blocks every request of a conversation shares
 

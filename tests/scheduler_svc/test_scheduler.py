@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, cast
+from typing import cast
 
 import redis
 from hypothesis import given, settings
@@ -15,7 +15,6 @@ from scheduler_svc.failover import resume_request
 from scheduler_svc.queue import QueuedRequest, WaitingQueue
 from scheduler_svc.reserve import Reserver
 from scheduler_svc.service import SchedulerService
-from scheduler_svc.settings import SchedulerSettings
 from shared.errors import ErrorCode
 from shared.keys import Keys
 from shared.protocol import (
@@ -33,23 +32,12 @@ from tests.support.scheduler_stage import (
     inbox,
     inbox_rids,
     make_request,
+    make_service,
     num_pending,
     reserved,
     submit,
     take_in,
 )
-
-
-def make_settings(redis_url: str, prefix: str, **overrides: Any) -> SchedulerSettings:
-    # Every step reads the heartbeats the test has just written.
-    values = {"watermark_blocks": 2, "view_refresh_s": 0.0, **overrides}
-    return SchedulerSettings(redis_url=redis_url, redis_prefix=prefix, **values)
-
-
-def make_service(
-    redis_url: str, prefix: str, consumer: str = "sched-a", **overrides: Any
-) -> SchedulerService:
-    return SchedulerService(make_settings(redis_url, prefix, **overrides), consumer=consumer)
 
 
 def test_priority_then_arrival_order(redis_url: str, redis_prefix: str, r: redis.Redis, keys: Keys) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import cast
+from typing import Any, cast
 
 import redis
 
+from scheduler_svc.service import SchedulerService
+from scheduler_svc.settings import SchedulerSettings
 from shared.keys import Keys
 from shared.protocol import (
     Assignment,
@@ -25,6 +27,18 @@ _prompts = itertools.count(1)
 
 
 BLOCK_SIZE = 16
+
+
+def make_settings(redis_url: str, prefix: str, **overrides: Any) -> SchedulerSettings:
+    # Every step reads the heartbeats the test has just written.
+    values = {"watermark_blocks": 2, "view_refresh_s": 0.0, **overrides}
+    return SchedulerSettings(redis_url=redis_url, redis_prefix=prefix, **values)
+
+
+def make_service(
+    redis_url: str, prefix: str, consumer: str = "sched-a", **overrides: Any
+) -> SchedulerService:
+    return SchedulerService(make_settings(redis_url, prefix, **overrides), consumer=consumer)
 
 
 def make_request(
