@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         procs.start("gateway", "gateway")
         wait_for(
             "the gateway",
-            lambda: _ready(url) and len(WorkerRegistry(client, keys).live_worker_ids()) >= 2 * half,
+            lambda: ready(url) and len(WorkerRegistry(client, keys).live_worker_ids()) >= 2 * half,
         )
         streams = run_streams(url, redis_url, keys, args, procs.procs["doomed"].kill)
     finally:
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
-def _ready(url: str) -> bool:
+def ready(url: str) -> bool:
     try:
         return httpx.get(f"{url}/ready", timeout=2).status_code == 200
     except httpx.HTTPError:

@@ -56,10 +56,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import redis
-from control_plane import Processes, scheduler_stats, served_once, wait_for
+from control_plane import Processes, ready, scheduler_stats, served_once, wait_for
 from model_queues import print_table as print_models
 from model_queues import run_models
 from services import delete_keys
@@ -570,13 +569,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print_models(results["models"])
     print(f"\nwrote {path} and {out / 'routing.png'}")
     return results
-
-
-def ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 if __name__ == "__main__":
