@@ -54,12 +54,16 @@ class Admit:
 
     entry: QueuedRequest
     worker_id: str
-    reserved_blocks: int
-    prompt_blocks: int = 0  # the prompt's blocks (on that worker's block size)
-    matched_blocks: int = 0  # of them, the run from the start that worker holds
+    reserved_blocks: int  # the prompt's blocks less those matched
+    matched_blocks: int = 0  # the run of the prompt's blocks from its start that the worker holds
     score: float = 0.0  # the routing score that chose it
     runner_up: str | None = None  # the next best worker by that score, if any had room
     runner_up_score: float = 0.0
+
+    @property
+    def prompt_blocks(self) -> int:
+        """The prompt's blocks, on the chosen worker's block size."""
+        return self.reserved_blocks + self.matched_blocks
 
 
 @dataclass(slots=True)
@@ -121,9 +125,13 @@ class Choice:
 
     @classmethod
     def of(cls, room: WorkerRoom, needed: int, matched: int) -> Choice:
-        prompt = needed + matched
+        """The room scored for a prompt of needed + matched blocks, matched of them held there."""
         free = room.available_blocks / room.capacity_blocks if room.capacity_blocks > 0 else 0.0
-        return cls(room, needed, matched, PREFIX_WEIGHT * matched / prompt + free if prompt else free)
+        return cls(room, needed, matched, PREFIX_WEIGHT * matched / (needed + matched) + free)
+
+    def rank(self) -> tuple[float, int, str]:
+        """Best first: the highest score, then the least load, then the id."""
+        return (-self.score, self.room.load, self.room.worker_id)
 
 
 class RoomHeap:
@@ -185,39 +193,21 @@ class RoomHeap:
         """The best two of: the matched rooms with space, and the first room in heap order with space for
         the whole prompt (under the load limit, if any). That room, the freest, can only lose to a holder of
         the prompt: when it is a holder itself, its matched choice stands for it."""
-        # NOTE: tuples, not Choice objects, in this loop: a popular prefix has every worker for a holder.
-        best: tuple[tuple[float, int, str], WorkerRoom, int, int, float] | None = None
-        runner_up = best
-        num_tokens = len(request.prompt_token_ids)
+        candidates = []
         for wid, matched in matches.items():
             room = self._rooms.get(wid)
             if room is None or (limit is not None and room.num_assigned > limit):
                 continue
-            prompt = blocks[room.block_size]
-            needed = prompt - matched
-            if needed > room.available_blocks or room.num_assigned >= max_running:
-                continue
-            if num_tokens >= room.max_model_len or room.capacity_blocks <= 0:
-                continue
-            score = PREFIX_WEIGHT * matched / prompt + room.available_blocks / room.capacity_blocks
-            key = (-score, room.load, wid)
-            if best is None or key < best[0]:
-                best, runner_up = (key, room, needed, matched, score), best
-            elif runner_up is None or key < runner_up[0]:
-                runner_up = (key, room, needed, matched, score)
+            needed = blocks[room.block_size] - matched
+            if self._fits(room, request, max_running, needed):
+                candidates.append(Choice.of(room, needed, matched))
         other = self._best_other(request, max_running, blocks, limit)
         if other is not None and other.worker_id not in matches:
-            choice = Choice.of(other, blocks[other.block_size], 0)
-            key = (-choice.score, other.load, other.worker_id)
-            entry = (key, other, choice.needed, 0, choice.score)
-            if best is None or key < best[0]:
-                best, runner_up = entry, best
-            elif runner_up is None or key < runner_up[0]:
-                runner_up = entry
-        if best is None:
+            candidates.append(Choice.of(other, blocks[other.block_size], 0))
+        if not candidates:
             return None
-        second = None if runner_up is None else Choice(*runner_up[1:])
-        return Choice(*best[1:]), second
+        best, *rest = heapq.nsmallest(2, candidates, key=Choice.rank)
+        return best, (rest[0] if rest else None)
 
     @staticmethod
     def _fits(room: WorkerRoom, request: GenerateRequest, max_running: int, needed: int) -> bool:
@@ -279,7 +269,6 @@ def plan_admissions(
                 entry,
                 best.room.worker_id,
                 best.needed,
-                prompt_blocks=best.needed + best.matched,
                 matched_blocks=best.matched,
                 score=best.score,
                 runner_up=runner_up.room.worker_id if runner_up else None,

@@ -88,9 +88,6 @@ class ModelQueues:
     def __len__(self) -> int:
         return len(self._model_of)
 
-    def __bool__(self) -> bool:
-        return bool(self._model_of)
-
     def __iter__(self) -> Iterator[QueuedRequest]:
         for queue in self._queues.values():
             yield from queue

@@ -213,7 +213,7 @@ class SchedulerService:
         # Fail a request that fits no worker of its model as soon as it arrives, not once it reaches the head.
         shapes: dict[str, set[Shape]] = {}
         for entry in fresh:
-            if entry.entry_id in decided or entry.entry_id not in self.queue:
+            if entry.entry_id in decided:
                 continue
             model = entry.request.model
             if model not in shapes:

@@ -18,6 +18,7 @@ import memory
 import offline
 import profile_steps
 import roofline
+import routing_costs
 import vs_vllm
 from workloads import ModelShape, make_workload
 
@@ -169,6 +170,17 @@ def test_cpu_kernel_bench_smoke(tmp_path: Path) -> None:
     assert [(r["batch"], r["context"]) for r in results["attention"]] == [(1, 20), (3, 20)]
     assert all(r["kernel_ms"] > 0 and r["twin_ms"] > 0 for r in results["attention"])
     assert [r["rows"] for r in results["lm_head"]] == [1, 4]
+
+
+def test_routing_costs_smoke(redis_url: str, tmp_path: Path) -> None:
+    results = routing_costs.main(
+        ["--per-step", "1", "4", "--steps", "20", "--workers", "5", "--requests", "200", "--prefixes", "20",
+         "--redis-url", redis_url, "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert json.loads((tmp_path / "routing_costs.json").read_text()) == json.loads(json.dumps(results))
+    assert (tmp_path / "routing_costs.png").stat().st_size > 0
+    assert set(results["publish_us"]) == {1, 4} and all(us > 0 for us in results["publish_us"].values())
+    assert all(results["plan_us"][k] > 0 for k in ("load_us", "prefix_us", "match_us"))
 
 
 def test_beam_memory_smoke(tiny_model_path: str, tmp_path: Path) -> None:
