@@ -26,7 +26,9 @@ thread each, DTYPE float32 unless set) behind one gateway (one gunicorn worker).
   control_plane.py); the routing cost per request is the difference of the time per admission of the two
   policies. Hit fraction as routed (the scheduler's routed_matched_blocks / routed_prompt_blocks) and as
   found (the workers' counters, in tokens); max/min of the prompt tokens the workers took in. Every request
-  must have run exactly once.
+  must have run exactly once. --scale-runs runs per policy, the policies taking turns; the table gives the
+  median of each figure and the rate and load ratio of every run (on a shared machine a run's rate varies
+  by a third from one to the next).
 - models: two simulated workers of two models, one model flooded with requests: the other's queue time
   against its idle value (benchmarks/model_queues.py; once, not per policy).
 
@@ -314,11 +316,12 @@ def run_scale(policy: str, args: argparse.Namespace, base: dict[str, str], logs:
     prompts = zipf_prompts(args.requests, args.prefixes, args.seed + 2)
     rids = [f"{policy}-{i}" for i in range(len(prompts))]
     try:
-        procs.start(f"{policy}-scale-scheduler", "scheduler_svc")
+        scheduler = procs.start(f"{policy}-scale-scheduler", "scheduler_svc")
+        sims = []
         for k, first in enumerate(range(0, args.workers, SIM_PER_PROCESS)):
             count = min(SIM_PER_PROCESS, args.workers - first)
-            procs.start(f"{policy}-sim-{k}", "gpu_worker.simulation", "--workers", str(count), "--name",
-                        f"sim{k}", "--step-ms", "1", "--per-token-us", "0")  # fmt: skip
+            sim = ("--workers", str(count), "--name", f"sim{k}", "--step-ms", "1", "--per-token-us", "0")
+            sims.append(procs.start(f"{policy}-sim-{k}", "gpu_worker.simulation", *sim))
         wait_for(
             "the simulated workers",
             lambda: len(WorkerRegistry(client, keys).live_worker_ids()) >= args.workers,
@@ -331,7 +334,8 @@ def run_scale(policy: str, args: argparse.Namespace, base: dict[str, str], logs:
         now = time.time()
         requests = [GenerateRequest(request_id=rid, prompt_token_ids=p, sampling=spec, arrival_time=now)
                     for rid, p in zip(rids, prompts)]  # fmt: skip
-        start = time.monotonic()
+        pids = [p.pid for p in [scheduler, *sims]]
+        start, cpu_before = time.monotonic(), [cpu_s(pid) for pid in pids]
         for i in range(0, len(requests), 1000):
             pipe = client.pipeline(transaction=False)
             for request in requests[i : i + 1000]:
@@ -340,6 +344,7 @@ def run_scale(policy: str, args: argparse.Namespace, base: dict[str, str], logs:
         target = stats_before.num_admitted + len(rids)
         wait_for("the admissions", lambda: scheduler_stats(client, keys).num_admitted >= target, 600)
         admitted_s = time.monotonic() - start
+        cpu = [cpu_s(pid) - before for pid, before in zip(pids, cpu_before)]
         stats = scheduler_stats(client, keys)
         wait_for("the tokens", lambda: served_once(client, keys, rids)[0] == 0, 300)
         lost, duplicated = served_once(client, keys, rids)
@@ -353,6 +358,9 @@ def run_scale(policy: str, args: argparse.Namespace, base: dict[str, str], logs:
         "requests": len(rids),
         "admissions_per_s": len(rids) / admitted_s,
         "us_per_admission": 1e6 * admitted_s / len(rids),
+        # CPU time over the burst per request: the scheduler's, and the simulated workers' together.
+        "scheduler_cpu_us_per_admission": 1e6 * cpu[0] / len(rids),
+        "workers_cpu_us_per_admission": 1e6 * sum(cpu[1:]) / len(rids),
         "routed_hit_fraction": fraction(
             stats.routed_matched_blocks - stats_before.routed_matched_blocks,
             stats.routed_prompt_blocks - stats_before.routed_prompt_blocks,
@@ -362,9 +370,31 @@ def run_scale(policy: str, args: argparse.Namespace, base: dict[str, str], logs:
         "oracle_capacity_blocks": capacity,
         "max_min_load": loads[-1] / loads[0] if loads[0] else None,  # None: a worker took nothing
         "worker_prompt_tokens": loads,
+        "prompt_tokens_by_worker": {w: c.prompt for w, c in deltas.items()},
         "lost": lost,
         "duplicated": duplicated,
     }
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds a process has used (user + system), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs of one policy as one: the median of each figure, lost and duplicated summed, the lists of
+    the run with the median rate; every run kept under "runs"."""
+    by_rate = sorted(runs, key=lambda r: r["admissions_per_s"])
+    summary = dict(by_rate[(len(runs) - 1) // 2])
+    for key in ("admissions_per_s", "us_per_admission", "scheduler_cpu_us_per_admission",
+                "workers_cpu_us_per_admission", "routed_hit_fraction", "workers_hit_fraction"):  # fmt: skip
+        summary[key] = statistics.median(r[key] for r in runs)
+    ratios = [r["max_min_load"] for r in runs]
+    summary["max_min_load"] = None if None in ratios else statistics.median(ratios)
+    summary["lost"], summary["duplicated"] = sum(r["lost"] for r in runs), sum(r["duplicated"] for r in runs)
+    summary["runs"] = runs
+    return summary
 
 
 # -- the run -------------------------------------------------------------------------------------------------
@@ -451,10 +481,17 @@ COLUMNS: dict[str, dict[str, Callable[[dict[str, Any]], Any]]] = {
         "requests": lambda r: f"{r['requests']:,}",
         "admitted/s": lambda r: f"{r['admissions_per_s']:,.0f}",
         "us / admission": lambda r: f"{r['us_per_admission']:.0f}",
+        "CPU us / admission: scheduler, workers": lambda r: (
+            f"{r['scheduler_cpu_us_per_admission']:.0f}, {r['workers_cpu_us_per_admission']:.0f}"
+        ),
         "hit fraction routed (blocks)": lambda r: f"{r['routed_hit_fraction']:.3f}",
         "found (tokens)": lambda r: f"{r['workers_hit_fraction']:.3f}",
         "oracle blocks / tokens": lambda r: f"{r['oracle']['blocks']:.3f} / {r['oracle']['tokens']:.3f}",
         "max/min load": lambda r: f"{r['max_min_load']:.2f}" if r["max_min_load"] else "-",
+        "admitted/s, each run": lambda r: ", ".join(f"{run['admissions_per_s']:,.0f}" for run in r["runs"]),
+        "max/min load, each run": lambda r: ", ".join(
+            f"{run['max_min_load']:.2f}" if run["max_min_load"] else "-" for run in r["runs"]
+        ),
         "lost / duplicated": lambda r: f"{r['lost']} / {r['duplicated']}",
     },
 }
@@ -528,6 +565,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=100, help="scale: simulated workers")
     parser.add_argument("--requests", type=int, default=20000, help="scale: requests in the burst")
     parser.add_argument("--prefixes", type=int, default=2000, help="scale: prefixes the prompts draw from")
+    parser.add_argument("--scale-runs", type=int, default=3, help="scale: runs per policy (medians reported)")
     parser.add_argument("--probes", type=int, default=20, help="models: probes of the second model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results", help="folder of routing.json and .png")
@@ -552,9 +590,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[policy] = {}
         if {"groups", "hot"} & set(args.scenarios):
             results[policy] |= run_served(policy, args, base, logs)
-        if "scale" in args.scenarios:
-            results[policy]["scale"] = run_scale(policy, args, base, logs)
-            print(f"{policy}: scale done", flush=True)
+    if "scale" in args.scenarios:
+        runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in POLICIES}
+        for k in range(args.scale_runs):  # the policies take turns: a slow spell of the machine hits both
+            for policy in POLICIES:
+                runs[policy].append(run_scale(policy, args, base, logs))
+                print(f"{policy}: scale run {k + 1} done", flush=True)
+        for policy in POLICIES:
+            results[policy]["scale"] = median_of(runs[policy])
     if "scale" in args.scenarios:
         cost = results["prefix"]["scale"]["us_per_admission"] - results["load"]["scale"]["us_per_admission"]
         results["routing_us_per_request"] = cost

@@ -65,23 +65,23 @@ class PrefixIndex:
                 del self._holders[h]
 
     def matches(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Per worker that holds the first block: how many consecutive blocks from the start it holds."""
-        if not hashes:
-            return {}
-        first = self._holders.get(hashes[0])
-        if not first:
-            return {}
-        counts = dict.fromkeys(first, 1)
-        alive = set(first)
-        for h in hashes[1:]:
+        """Per worker that holds the first block: how many consecutive blocks from the start it holds, the
+        longest runs first. Set operations per block, not a step per worker and block: a hot prefix is held
+        by most workers."""
+        alive: set[str] | frozenset[str] = frozenset()
+        dropped: list[set[str] | frozenset[str]] = []  # dropped[d]: the workers whose run is d blocks
+        for depth, h in enumerate(hashes):
             holders = self._holders.get(h)
-            if not holders:
-                break
-            alive &= holders
+            following = (alive & holders if depth else holders) if holders else frozenset()
+            dropped.append(alive - following)
+            alive = following
             if not alive:
                 break
-            for wid in alive:
-                counts[wid] += 1
+        else:
+            dropped.append(alive)
+        counts: dict[str, int] = {}
+        for depth in range(len(dropped) - 1, 0, -1):
+            counts.update(dict.fromkeys(dropped[depth], depth))
         return counts
 
 

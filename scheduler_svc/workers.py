@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import redis
 
-from scheduler_svc.admission import WorkerRoom
+from scheduler_svc.admission import RECENT_HALF_LIFE_S, WorkerRoom
 from shared.keys import Keys
 from shared.protocol import Heartbeat
 from shared.registry import WorkerRegistry
@@ -31,6 +32,7 @@ class WorkerView:
         self._registry = WorkerRegistry(client, keys)
         self.live: dict[str, LiveWorker] = {}
         self.dead: list[str] = []
+        self._recent: dict[str, tuple[float, float]] = {}  # worker -> (requests sent lately, as of when)
 
     @property
     def num_assigned(self) -> int:
@@ -45,15 +47,24 @@ class WorkerView:
         }
         # An unreadable heartbeat (a worker mid-upgrade) is neither live nor dead.
         self.dead = snapshot.dead
+        self._recent = {wid: count for wid, count in self._recent.items() if wid in self.live}
 
     def record_assignment(self, worker_id: str, blocks: int) -> None:
         if worker_id in self.live:
             self.live[worker_id].num_assigned += 1
             self.live[worker_id].reserved_blocks += blocks
+            now = time.monotonic()
+            self._recent[worker_id] = (self.recent_assigned(worker_id, now) + 1, now)
+
+    def recent_assigned(self, worker_id: str, now: float) -> float:
+        """The requests sent to the worker lately: each counts 1 when sent, and halves every
+        RECENT_HALF_LIFE_S."""
+        count, at = self._recent.get(worker_id, (0.0, now))
+        return count * 0.5 ** ((now - at) / RECENT_HALF_LIFE_S)
 
     def rooms(self, watermark_blocks: int) -> list[WorkerRoom]:
         """Every live worker as admission sees it: the room the admit script checks (shared.reservations)."""
-        rooms = []
+        rooms, now = [], time.monotonic()
         for wid, worker in self.live.items():
             hb = worker.heartbeat
             assert hb.block_size > 0, f"worker {wid} reports block_size {hb.block_size}"
@@ -70,6 +81,8 @@ class WorkerView:
                     num_assigned=worker.num_assigned,
                     load=hb.num_running + hb.num_waiting,
                     model=hb.model,
+                    recent_assigned=self.recent_assigned(wid, now),
+                    draining=hb.draining,
                 )
             )
         return rooms

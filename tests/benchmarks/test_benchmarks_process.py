@@ -133,7 +133,8 @@ def test_routing_smoke(
     results = routing.main(
         ["--model", tiny_model_path, "--groups", "2", "--rounds", "2", "--concurrency", "2",
          "--max-tokens", "4", "--hot-requests", "4", "--hot-concurrency", "4", "--workers", "10",
-         "--requests", "300", "--prefixes", "50", "--probes", "3", "--out", str(tmp_path)]
+         "--requests", "300", "--prefixes", "50", "--scale-runs", "2", "--probes", "3",
+         "--out", str(tmp_path)]
     )  # fmt: skip
     assert json.loads((tmp_path / "routing.json").read_text()) == results
     assert (tmp_path / "routing.png").stat().st_size > 0
@@ -147,7 +148,8 @@ def test_routing_smoke(
         assert sorted(hot["worker_prompt_share"]) == ["w0", "w1"]
         assert sum(hot["worker_prompt_share"].values()) == pytest.approx(1)
         assert scale["workers"] == 10 and scale["requests"] == 300 and scale["admissions_per_s"] > 0
-        assert scale["lost"] == scale["duplicated"] == 0
+        assert scale["lost"] == scale["duplicated"] == 0 and len(scale["runs"]) == 2
+        assert scale["scheduler_cpu_us_per_admission"] > 0 and scale["workers_cpu_us_per_admission"] > 0
         assert sum(scale["worker_prompt_tokens"]) == 300 * prompt_len
         assert 0 <= scale["routed_hit_fraction"] <= 1 and 0 < scale["oracle"]["blocks"] < 1
     assert results["load"]["scale"]["routed_hit_fraction"] == 0  # only routing by prefix matches prompts

@@ -3,13 +3,22 @@ the worker's own publisher over a real block allocator), and the admission that 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import redis
 
 from gpu_worker.engine.block_allocator import BlockAllocator
 from gpu_worker.kv_publisher import KVPublisher
-from scheduler_svc.admission import LOAD_SLACK, Admit, WorkerRoom, plan_admissions
+from scheduler_svc.admission import (
+    LOAD_RATIO,
+    LOAD_SLACK,
+    MAX_SCORED_HOLDERS,
+    PREFIX_WEIGHT,
+    Admit,
+    WorkerRoom,
+    plan_admissions,
+)
 from scheduler_svc.failover import Failover
 from scheduler_svc.prefix_index import KVEventReader, PrefixIndex
 from scheduler_svc.queue import QueuedRequest, WaitingQueue
@@ -132,8 +141,20 @@ def test_a_dead_worker_leaves_the_index_and_its_keys_go(r: redis.Redis, keys: Ke
 # -- admission ----------------------------------------------------------------------------------------
 
 
-def room(wid: str, available: int, num_assigned: int = 0) -> WorkerRoom:
-    return WorkerRoom(wid, BLOCK_SIZE, available, 1000, 1 << 20, num_assigned=num_assigned, load=num_assigned)
+def room(
+    wid: str, available: int, num_assigned: int = 0, recent: float = 0.0, draining: bool = False
+) -> WorkerRoom:
+    return WorkerRoom(
+        wid,
+        BLOCK_SIZE,
+        available,
+        1000,
+        1 << 20,
+        num_assigned=num_assigned,
+        load=num_assigned,
+        recent_assigned=recent,
+        draining=draining,
+    )
 
 
 def queue_of(requests: list[GenerateRequest]) -> WaitingQueue:
@@ -189,10 +210,14 @@ def test_a_prefix_every_request_shares_spreads_over_the_workers() -> None:
     assert abs(chosen.count("w1") - chosen.count("w2")) <= LOAD_SLACK + 1
 
 
+def index_matcher(index: PrefixIndex) -> Callable[[QueuedRequest, int], dict[str, int]]:
+    return lambda entry, block_size: index.matches(entry.prompt_hashes(block_size))
+
+
 def only_w1_holds_the_prefix() -> Callable[[QueuedRequest, int], dict[str, int]]:
     index = PrefixIndex()
     index.store("w1", block_hashes(PREFIX, BLOCK_SIZE))
-    return lambda entry, block_size: index.matches(entry.prompt_hashes(block_size))
+    return index_matcher(index)
 
 
 def test_an_overloaded_holder_is_passed_over_only_while_another_has_room() -> None:
@@ -210,6 +235,75 @@ def test_an_overloaded_holder_is_passed_over_only_while_another_has_room() -> No
         only_w1_holds_the_prefix(),
     )
     assert isinstance(held, Admit) and (held.worker_id, held.reserved_blocks) == ("w1", 2)
+
+
+def test_what_a_worker_was_sent_lately_counts_even_when_it_holds_nothing() -> None:
+    """Workers that finish fast hold nothing: the load limit goes by what each was sent lately."""
+    (spread,) = plan_admissions(
+        queue_of([conversation("a")]),
+        [room("w1", 500, recent=20.0), room("w2", 500)],
+        256,
+        only_w1_holds_the_prefix(),
+    )
+    assert isinstance(spread, Admit) and spread.worker_id == "w2"
+
+
+def test_a_draining_worker_sets_no_one_s_load_limit() -> None:
+    # Least busy of those taking requests: w3, at 10, so the limit is 1.25 x 10 + 4 and the holder is past it.
+    rooms = [room("w1", 500, recent=30.0), room("w2", 0, draining=True), room("w3", 500, recent=10.0)]
+    (admit,) = plan_admissions(queue_of([conversation("a")]), rooms, 256, only_w1_holds_the_prefix())
+    assert isinstance(admit, Admit) and admit.worker_id == "w3"
+
+
+def reference_plan(requests: list[GenerateRequest], rooms: list[WorkerRoom], index: PrefixIndex) -> list[str]:
+    """Every worker scored for every request, by the rules the admission module states."""
+    chosen = []
+    for request in requests:
+        blocks = request.num_blocks_for_prompt(BLOCK_SIZE)
+        matched = index.matches(block_hashes(request.prompt_token_ids[:-1], BLOCK_SIZE))
+        limit = LOAD_RATIO * min(r.busy for r in rooms if not r.draining) + LOAD_SLACK
+        fits = [r for r in rooms if blocks - matched.get(r.worker_id, 0) <= r.available_blocks]
+        under = [r for r in fits if r.busy <= limit] or fits
+        scores = {
+            r.worker_id: PREFIX_WEIGHT * matched.get(r.worker_id, 0) / blocks
+            + r.available_blocks / r.capacity_blocks
+            for r in under
+        }
+        ranks = {r.worker_id: (-scores[r.worker_id], r.load, r.worker_id) for r in under}
+        best = min(under, key=lambda r: ranks[r.worker_id])
+        best.available_blocks -= blocks - matched.get(best.worker_id, 0)
+        best.num_assigned += 1
+        best.recent_assigned += 1
+        best.load += 1
+        chosen.append(best.worker_id)
+    return chosen
+
+
+def random_rooms(seed: int) -> list[WorkerRoom]:
+    state = random.Random(seed)
+    return [
+        room(f"w{w}", state.randrange(20, 1000), recent=state.choice([0.0, 3.0, 9.0]))
+        for w in range(MAX_SCORED_HOLDERS)
+    ]
+
+
+def test_the_plan_chooses_what_scoring_every_worker_would() -> None:
+    """The plan scores only some holders and walks a heap; with no more holders than it scores, its choices
+    are those of scoring every worker for every request."""
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(50_000) for _ in range(6 * BLOCK_SIZE)] for _ in range(4)]
+    for trial in range(30):
+        index = PrefixIndex()
+        for w in range(MAX_SCORED_HOLDERS):
+            for prefix in rng.sample(prefixes, 2):
+                index.store(f"w{w}", block_hashes(prefix[: rng.randrange(1, 7) * BLOCK_SIZE], BLOCK_SIZE))
+        requests = [
+            conversation(f"r{i}", prefix=rng.choice(prefixes), salt=i) for i in range(rng.randrange(1, 40))
+        ]
+        decisions = plan_admissions(queue_of(requests), random_rooms(trial), 256, index_matcher(index))
+        assert [d.worker_id for d in decisions if isinstance(d, Admit)] == reference_plan(
+            requests, random_rooms(trial), index
+        )
 
 
 # -- the scheduler, on Redis --------------------------------------------------------------------------
