@@ -29,11 +29,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# The tests start their own redis-server when none answers at REDIS_URL, and the engine builds its CPU
-# kernel with the C++ compiler: make sure both exist.
+# The tests start their own redis-server when none answers at REDIS_URL, the engine builds its CPU kernel
+# with the C++ compiler, and the dashboard's test drives a headless Chromium: make sure all three exist.
 test: $(STAMP) lint check-compose
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@command -v c++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null \
+		|| (apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
 	$(PY) -m pytest -q
 
 # Debian's docker-compose validates the compose files without a Docker engine: as a GPU host reads them

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 from flask import Flask, Response, jsonify, request
 
-from gateway import metrics, openapi
+from gateway import dashboard, metrics, openapi
 from gateway.backpressure import check_backpressure
 from gateway.batch_api import BatchAPI
 from gateway.cors import Cors
@@ -51,7 +51,10 @@ logger = logging.getLogger(__name__)
 
 # Probes and scrapers carry no API key.
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/version"})
+# The dashboard too: a browser opening it sends no bearer token, and it shows what /metrics does, drawn.
+PUBLIC_PATHS = frozenset(
+    {"/health", "/ready", "/metrics", "/openapi.json", "/version", "/dashboard", "/dashboard/state"}
+)
 # What an SSE client sends back on reconnecting: the id of the last event it received.
 RESUME_HEADER = "Last-Event-ID"
 
@@ -303,6 +306,16 @@ class Gateway:
         body, content_type = metrics.render(self.registry, self.model_name)
         return Response(body, content_type=content_type)
 
+    def dashboard(self) -> Response:
+        response = Response(dashboard.PAGE.read_bytes(), content_type="text/html; charset=utf-8")
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+    def dashboard_state(self) -> Response:
+        response = jsonify(dashboard.read_state(self.redis, self.keys, self.registry))
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
     def openapi(self) -> Response:
         return jsonify(openapi.document(self.model_name))
 
@@ -383,6 +396,8 @@ def create_app(settings: GatewaySettings | None = None) -> Flask:
         ("/health", gateway.health, ["GET"]),
         ("/ready", gateway.ready, ["GET"]),
         ("/metrics", gateway.metrics, ["GET"]),
+        ("/dashboard", gateway.dashboard, ["GET"]),
+        ("/dashboard/state", gateway.dashboard_state, ["GET"]),
         ("/openapi.json", gateway.openapi, ["GET"]),
         ("/version", gateway.version, ["GET"]),
         *BatchAPI(settings, gateway.redis).routes(),

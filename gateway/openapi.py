@@ -290,6 +290,15 @@ def document(model_name: str) -> Json:
             "Prometheus metrics (vLLM names)",
             {"description": "exposition text", "content": {"text/plain": {"schema": {"type": "string"}}}},
         ),
+        "/dashboard": _get(
+            "The KV pool dashboard (a page)",
+            {"description": "HTML page", "content": {"text/html": {"schema": {"type": "string"}}}},
+        ),
+        "/dashboard/state": _get(
+            "What the dashboard draws: workers with their block maps, the scheduler, routing decisions",
+            _json(_OBJECT, "`now`, `workers`, `scheduler` and `routes`"),
+            (503, "Redis unavailable"),
+        ),
         "/openapi.json": _get("This document", _json(_OBJECT, "OpenAPI 3 document")),
         "/version": _get("The server's version", _json(_OBJECT, "`version`: the package's version")),
         **_batch_paths(),

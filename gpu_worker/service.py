@@ -21,6 +21,7 @@ from gpu_worker.settings import WorkerSettings, engine_config
 from shared.backoff import Backoff
 from shared.errors import CodedError, ErrorCode
 from shared.health import StatusReporter
+from shared.kv_map import encode_states
 from shared.protocol import (
     AbortMessage,
     Assignment,
@@ -351,11 +352,18 @@ class WorkerService:
             dtype=str(self.engine.dtype).removeprefix("torch."),
             device=str(self.engine.device),
             draining=self.draining_since is not None,
+            beat_at=time.time(),
         )
         key = self.keys.worker(self.worker_id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, mapping=beat.to_hash())  # type: ignore[arg-type]
         pipe.expire(key, max(1, int(self.settings.heartbeat_ttl_s + 0.999)))
+        # The pool block by block, for the dashboard: beside the heartbeat, of the same moment, gone with it.
+        pipe.set(
+            self.keys.kv_map(self.worker_id),
+            encode_states(self.engine.allocator.block_states()),
+            ex=max(1, int(self.settings.heartbeat_ttl_s + 0.999)),
+        )
         pipe.sadd(self.keys.workers, self.worker_id)
         # The blocks of what was taken in move from the reservation counter to free/waiting blocks at once,
         # and the taken entries leave the inbox (shared.reservations).

@@ -93,6 +93,7 @@ class Failover:
                     keys.reserved(wid),
                     keys.kv_blocks(wid),
                     keys.kv_events(wid),
+                    keys.kv_map(wid),
                 )
                 tx.srem(keys.workers, wid)
             tx.execute()

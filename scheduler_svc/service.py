@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -40,6 +41,7 @@ READ_COUNT = 512  # entries per read of the requests stream
 STATS_INTERVAL_S = 0.5  # unchanged stats are rewritten this often, well inside their TTL
 # An iteration takes a poll interval, or a backoff pause while Redis is away: one older than this is stuck.
 LOOP_STALL_S = 60.0
+ROUTING_LOG_LEN = 50  # routing decisions kept for the dashboard (all schedulers' together, newest first)
 
 
 def default_consumer_name() -> str:
@@ -255,6 +257,8 @@ class SchedulerService:
             self._ack(pipe.pipe, handled)
         inbox_entry_ids = pipe.execute()
         taken = [a for a in sent if inbox_entry_ids[a.entry.entry_id] is not None]
+        if taken:
+            self._log_routes(taken[-ROUTING_LOG_LEN:])
         for admit in taken:
             self.view.record_assignment(admit.worker_id, admit.reserved_blocks)
             waited_ms = stream_ms(inbox_entry_ids[admit.entry.entry_id]) - stream_ms(admit.entry.entry_id)
@@ -284,6 +288,30 @@ class SchedulerService:
         for reject in rejects:
             log.info("rejected request %s: %s", reject.entry.request.request_id, reject.error)
         self.queue.remove(handled + [a.entry.entry_id for a in taken])
+
+    def _log_routes(self, admits: list[Admit]) -> None:
+        """The round's latest decisions on the capped routing log the dashboard reads (one round trip)."""
+        now = time.time()
+        routes = [
+            json.dumps(
+                {
+                    "at": now,
+                    "request_id": a.entry.request.request_id,
+                    "model": a.entry.request.model,
+                    "worker_id": a.worker_id,
+                    "matched_blocks": a.matched_blocks,
+                    "prompt_blocks": a.prompt_blocks,
+                    "score": round(a.score, 4),
+                    "runner_up": a.runner_up,
+                    "policy": self.settings.routing_policy,
+                }
+            )
+            for a in admits
+        ]
+        pipe = self.client.pipeline(transaction=False)
+        pipe.lpush(self.keys.routing_log, *routes)
+        pipe.ltrim(self.keys.routing_log, 0, ROUTING_LOG_LEN - 1)
+        pipe.execute()
 
     def _ack(self, pipe: redis.client.Pipeline, entry_ids: list[str]) -> redis.client.Pipeline:
         """Acknowledge and delete handled entries (deleting keeps the stream short; none is read again)."""

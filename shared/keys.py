@@ -78,6 +78,15 @@ class Keys:
     def kv_events(self, wid: str) -> str:
         return f"{self.prefix}:worker:{wid}:kv_events"
 
+    def kv_map(self, wid: str) -> str:
+        """Its KV pool's block states (shared.kv_map), written with each heartbeat."""
+        return f"{self.prefix}:worker:{wid}:kv_map"
+
+    @property
+    def routing_log(self) -> str:
+        """The schedulers' latest routing decisions (a capped list, newest first), for the dashboard."""
+        return f"{self.prefix}:scheduler:routing_log"
+
     @property
     def aborts(self) -> str:
         return f"{self.prefix}:aborts"

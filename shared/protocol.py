@@ -263,6 +263,7 @@ class Heartbeat(WireModel):
     device: str = ""
     # Stopping: it takes no new requests (the admit script refuses it) and finishes those it holds.
     draining: bool = False
+    beat_at: float = 0.0  # when it was written (time.time()): the dashboard shows its age
 
     def to_hash(self) -> dict[str, str]:
         return _to_hash(self)

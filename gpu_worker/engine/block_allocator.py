@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shared.kv_map import CACHED, FREE, SHARED, USED
 from shared.prefix import block_hash, block_hashes
+
+# A reference count (below 256) to its block state: 0 free, 1 used, more shared (evictable ones set after).
+_REF_TO_STATE = bytes([FREE, USED] + [SHARED] * 254)
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,6 +76,17 @@ class BlockAllocator:
         if not changes:
             return [], []
         return [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held]
+
+    def block_states(self) -> bytes:
+        """Each block's state, one byte a block (shared.kv_map): free, used by one sequence, shared by more
+        than one, or cached and evictable (in the prefix cache, used by none)."""
+        try:
+            states = bytearray(bytes(self._ref).translate(_REF_TO_STATE))  # 0 free, 1 used, 2+ shared
+        except ValueError:  # a block referenced 256 times or more
+            states = bytearray(map(min, self._ref, itertools.repeat(SHARED)))
+        for block_id in self._evictable:
+            states[block_id] = CACHED
+        return bytes(states)
 
     def cached_hashes(self) -> list[int]:
         """Every block hash the prefix cache holds now (in use or evictable)."""
