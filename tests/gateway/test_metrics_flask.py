@@ -3,8 +3,11 @@ request histograms that move by each finished request's figures."""
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -189,3 +192,28 @@ def test_a_finished_request_moves_the_request_histograms_by_its_figures(client, 
         # One event per sample: no gap between two tokens was seen.
         "vllm:time_per_output_token_seconds_count": 0,
     }
+
+
+def test_the_grafana_dashboard_queries_only_what_the_gateway_exposes(client, r, keys) -> None:
+    """deploy/grafana's dashboard: every metric its queries name and every label they group or label by."""
+    register(r, keys, beat("w0"))
+    stats = SchedulerStats(num_waiting=0, num_assigned=0, updated_at=time.time())
+    r.hset(keys.scheduler_stats, mapping=stats.to_hash())  # type: ignore[arg-type]
+    exposed: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(client.get("/metrics").get_data(as_text=True)):
+        for sample in family.samples:
+            exposed.setdefault(sample.name, set()).update(sample.labels)
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana" / "pagedserve.json").read_text())
+    targets = [t for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(targets) >= 10
+    for target in targets:
+        names = set(re.findall(r"\b((?:vllm|pagedserve):[a-z_]+)", target["expr"]))
+        assert names and names <= set(exposed), target["expr"]
+        labels = (
+            set(re.findall(r"by \(([^)]*)\)", target["expr"])[0].replace(" ", "").split(",")) - {"le"}
+            if " by (" in target["expr"]
+            else set()
+        )
+        labels |= set(re.findall(r"\{\{(\w+)\}\}", target["legendFormat"]))
+        for name in names:
+            assert labels <= exposed[name], (target["expr"], labels - exposed[name])
