@@ -42,6 +42,7 @@ STATS_INTERVAL_S = 0.5  # unchanged stats are rewritten this often, well inside 
 # An iteration takes a poll interval, or a backoff pause while Redis is away: one older than this is stuck.
 LOOP_STALL_S = 60.0
 ROUTING_LOG_LEN = 50  # routing decisions kept for the dashboard (all schedulers' together, newest first)
+ROUTING_LOG_TTL_S = 600
 
 
 def default_consumer_name() -> str:
@@ -311,6 +312,7 @@ class SchedulerService:
         pipe = self.client.pipeline(transaction=False)
         pipe.lpush(self.keys.routing_log, *routes)
         pipe.ltrim(self.keys.routing_log, 0, ROUTING_LOG_LEN - 1)
+        pipe.expire(self.keys.routing_log, ROUTING_LOG_TTL_S)  # gone a while after the last scheduler stops
         pipe.execute()
 
     def _ack(self, pipe: redis.client.Pipeline, entry_ids: list[str]) -> redis.client.Pipeline:
