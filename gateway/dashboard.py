@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from gateway.metrics import kv_usage
 from shared.keys import Keys
 from shared.kv_map import count_states, decode_states
 from shared.protocol import Heartbeat
@@ -36,15 +37,14 @@ def worker_state(
         except ValueError as exc:
             logger.warning("unreadable KV map of worker %s: %s", beat.worker_id, exc)
             encoded_map = None
-    total = beat.total_blocks
     queries, hits = beat.prefix_cache_queries_total, beat.prefix_cache_hits_total
     return {
         "worker_id": beat.worker_id,
         "model": beat.model,
-        "total_blocks": total,
+        "total_blocks": beat.total_blocks,
         "free_blocks": beat.free_blocks,
         "block_size": beat.block_size,
-        "kv_usage": 1 - beat.free_blocks / total if total else 0.0,
+        "kv_usage": kv_usage(beat),
         "blocks": counts,
         "kv_map": encoded_map,
         "reserved_blocks": reserved,
@@ -62,7 +62,8 @@ def worker_state(
 
 
 def read_state(client: redis.Redis, keys: Keys, registry: WorkerRegistry) -> dict[str, Any]:
-    """Everything the page shows, read at one moment (three round trips)."""
+    """Everything the page shows, read at one moment (four round trips: the registry's two, the maps and
+    the routing log, the scheduler's stats)."""
     snapshot = registry.read(with_load=True)
     pipe = NamedPipeline(client)
     for wid in snapshot.live:

@@ -192,7 +192,7 @@ class ClusterCollector:
             gauge, "vllm:num_requests_waiting", "Requests queued inside a worker.", lambda b: b.num_waiting
         )
         for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):  # the second: vLLM's old name
-            yield family(gauge, name, "Fraction of a worker's KV blocks in use (1 = full).", _kv_usage)
+            yield family(gauge, name, "Fraction of a worker's KV blocks in use (1 = full).", kv_usage)
         yield family(
             counter,
             "vllm:prompt_tokens",
@@ -297,7 +297,8 @@ class ClusterCollector:
         yield index
 
 
-def _kv_usage(beat: Heartbeat) -> float:
+def kv_usage(beat: Heartbeat) -> float:
+    """Fraction of the worker's KV blocks in use (1 = full): the gauge, and the dashboard's figure."""
     return 1.0 - beat.free_blocks / beat.total_blocks if beat.total_blocks else 0.0
 
 
