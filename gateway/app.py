@@ -24,6 +24,7 @@ from gateway.errors import install_error_handlers
 from gateway.request_body import bearer_token, ignored_fields_header, json_body, parse_body, validate
 from gateway.request_metrics import RequestMetrics
 from gateway.serving.attachments import Attachments
+from gateway.serving.batch_records import BatchStore
 from gateway.serving.errors import APIError, bad_request
 from gateway.serving.event_hub import EventHub
 from gateway.serving.generation import ClientDisconnected, Generation, Limits
@@ -75,6 +76,7 @@ class Gateway:
         self.hub = EventHub(self.redis)
         self.registry = WorkerRegistry(self.redis, self.keys)
         self.models = ServedModels(settings, self.registry)
+        self.batches = BatchStore(self.redis, self.keys, settings.batch_retention_s)
         self.model_name = self.models.default.name
         for name in self.models.names():
             metrics.declare(name)
@@ -303,7 +305,7 @@ class Gateway:
         return jsonify({"status": "ready", "workers": sum(workers.values()), "models": workers}), 200
 
     def metrics(self) -> Response:
-        body, content_type = metrics.render(self.registry, self.model_name)
+        body, content_type = metrics.render(self.registry, self.model_name, self.batches)
         return Response(body, content_type=content_type)
 
     def dashboard(self) -> Response:

@@ -11,6 +11,7 @@ import collections
 import logging
 import os
 from collections.abc import Callable, Iterator
+from typing import get_args
 
 import redis
 from prometheus_client import (
@@ -24,6 +25,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from gateway.serving.batch_records import BatchProgress, BatchStore
+from shared.batches import BatchStatus
 from shared.protocol import ITERATION_TOKENS_BUCKETS, QUEUE_TIME_BUCKETS_S, Heartbeat, SchedulerStats
 from shared.registry import WorkerRegistry
 
@@ -31,6 +34,7 @@ logger = logging.getLogger(__name__)
 disable_created_metrics()  # as vLLM: no `_created` series beside every counter and histogram
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+BATCHES_COUNTED = 1000  # the newest batches a scrape reads, so a scrape costs the same however many are kept
 LABELS = ["model_name"]
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0)
@@ -156,19 +160,23 @@ class ClusterCollector:
     at most one heartbeat. The scheduler's carry the model of each queue, and the routing counters its own.
     """
 
-    def __init__(self, registry: WorkerRegistry, model_name: str) -> None:
+    def __init__(self, registry: WorkerRegistry, model_name: str, batches: BatchStore | None = None) -> None:
         self._registry = registry
         self._model_name = model_name
+        self._batches = batches
 
     def collect(self) -> Iterator[Metric]:
         try:
             beats = list(self._registry.read().live.values())
             stats = self._registry.scheduler_stats()
+            progress = self._batches.progress(BATCHES_COUNTED) if self._batches else None
         except redis.RedisError as e:
             logger.warning("metrics: Redis unavailable: %s", e)
             return
         yield from self._worker_metrics(beats)
         yield from self._scheduler_metrics(stats, beats)
+        if progress is not None:
+            yield from _batch_metrics(progress)
 
     def _worker_metrics(self, beats: list[Heartbeat]) -> Iterator[Metric]:
         labels = ["model_name", "worker"]
@@ -297,17 +305,35 @@ class ClusterCollector:
         yield index
 
 
+def _batch_metrics(progress: BatchProgress) -> Iterator[Metric]:
+    batches = GaugeMetricFamily(
+        "pagedserve:batches",
+        f"Batches (of the Batch API) by status, of the newest {BATCHES_COUNTED} kept.",
+        labels=["status"],
+    )
+    for status in get_args(BatchStatus):
+        batches.add_metric([status], progress.by_status[status])
+    lines = GaugeMetricFamily(
+        "pagedserve:batch_requests",
+        "Requests (input lines) of the batches not yet ended: their total, and those completed or failed.",
+        labels=["state"],
+    )
+    for state in ("total", "completed", "failed"):
+        lines.add_metric([state], progress.lines[state])
+    yield from (batches, lines)
+
+
 def kv_usage(beat: Heartbeat) -> float:
     """Fraction of the worker's KV blocks in use (1 = full): the gauge, and the dashboard's figure."""
     return 1.0 - beat.free_blocks / beat.total_blocks if beat.total_blocks else 0.0
 
 
-def render(registry: WorkerRegistry, model_name: str) -> tuple[bytes, str]:
+def render(registry: WorkerRegistry, model_name: str, batches: BatchStore | None = None) -> tuple[bytes, str]:
     """The exposition text of one scrape, and its content type."""
     collectors = CollectorRegistry(auto_describe=False)
     if os.environ.get(MULTIPROC_ENV):
         MultiProcessCollector(collectors)
     else:
         collectors.register(_Local())  # type: ignore[arg-type]
-    collectors.register(ClusterCollector(registry, model_name))  # type: ignore[arg-type]
+    collectors.register(ClusterCollector(registry, model_name, batches))  # type: ignore[arg-type]
     return generate_latest(collectors), CONTENT_TYPE_LATEST

@@ -3,8 +3,10 @@ them, for the gateway's routes and the batch workers alike."""
 
 from __future__ import annotations
 
+import collections
 import json
 import time
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis
@@ -14,6 +16,7 @@ from shared.batches import ENDED_STATUSES, BatchSpec, BatchStatus
 from shared.keys import Keys
 from shared.protocol import decode, encode
 
+_COUNTS = ("total", "completed", "failed")
 _TIMESTAMPS = ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
 
 # KEYS[1] the batch's done hash, KEYS[2] the batch's record; ARGV[1] custom_id, ARGV[2] its output line,
@@ -75,6 +78,14 @@ def _int_or_none(value: str | None) -> int | None:
     return None if value is None else int(value)
 
 
+@dataclass
+class BatchProgress:
+    """The newest batches by status, and the lines of those not yet ended by outcome: what /metrics shows."""
+
+    by_status: collections.Counter[str] = field(default_factory=collections.Counter)
+    lines: collections.Counter[str] = field(default_factory=collections.Counter)  # total, completed, failed
+
+
 class BatchStore:
     """Batches by id: create, read, list, move through the statuses, and count their lines' outcomes."""
 
@@ -107,6 +118,22 @@ class BatchStore:
 
     def page(self, *, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         return listing_page(self._client, self.keys.batches, after, limit, self.get)
+
+    def progress(self, newest: int) -> BatchProgress:
+        """The statuses of the `newest` batches and the line counts of those among them not ended (two round
+        trips, whatever the number of batches kept)."""
+        ids = cast(list[str], self._client.zrevrange(self.keys.batches, 0, newest - 1))
+        pipe = self._client.pipeline(transaction=False)
+        for batch_id in ids:
+            pipe.hmget(self.keys.batch(batch_id), "status", *_COUNTS)
+        progress = BatchProgress()
+        for status, *counts in pipe.execute() if ids else []:
+            if status is None:  # expired since the listing was read
+                continue
+            progress.by_status[status] += 1
+            if status not in ENDED_STATUSES:
+                progress.lines.update({name: int(n or 0) for name, n in zip(_COUNTS, counts)})
+        return progress
 
     def move(
         self, batch_id: str, allowed: frozenset[str] | set[str], to: BatchStatus, **fields: object

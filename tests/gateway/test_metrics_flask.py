@@ -14,7 +14,9 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
+from gateway.serving.batch_records import BatchStore
 from gateway.settings import GatewaySettings
+from shared.batches import BatchSpec
 from shared.keys import Keys
 from shared.protocol import (
     ITERATION_TOKENS_BUCKETS,
@@ -192,6 +194,56 @@ def test_a_finished_request_moves_the_request_histograms_by_its_figures(client, 
         # One event per sample: no gap between two tokens was seen.
         "vllm:time_per_output_token_seconds_count": 0,
     }
+
+
+def test_batch_progress_counts_batches_by_status_and_the_lines_of_those_running(client, r, keys) -> None:
+    store = BatchStore(r, keys, retention_s=60)
+    made = {
+        "running": ("in_progress", 10, 4, 1),
+        "closing": ("finalizing", 5, 5, 0),
+        "done": ("completed", 7, 7, 0),
+    }
+    for bid, (status, total, completed, failed) in made.items():
+        spec = BatchSpec(
+            id=bid,
+            endpoint="/v1/completions",
+            input_file_id="f",
+            completion_window="24h",
+            created_at=0,
+            expires_at=0,
+        )
+        store.create(spec)
+        store.set_total(bid, total)
+        for n in range(completed + failed):
+            store.record(bid, f"line-{n}", {"n": n}, failed=n >= completed)
+        assert store.move(bid, {"validating"}, status)
+    store.create(
+        BatchSpec(
+            id="new",
+            endpoint="/v1/completions",
+            input_file_id="f",
+            completion_window="24h",
+            created_at=0,
+            expires_at=0,
+        )
+    )
+    got = samples(client.get("/metrics").get_data(as_text=True))
+    statuses = {labels[0][1]: v for (name, labels), v in got.items() if name == "pagedserve:batches"}
+    assert statuses == {
+        "validating": 1,
+        "in_progress": 1,
+        "finalizing": 1,
+        "completed": 1,
+        "failed": 0,
+        "expired": 0,
+        "cancelling": 0,
+        "cancelled": 0,
+    }
+    lines = {labels[0][1]: v for (name, labels), v in got.items() if name == "pagedserve:batch_requests"}
+    assert lines == {"total": 15, "completed": 9, "failed": 1}  # the ended batch's lines are not counted
+    r.delete(
+        keys.batches, *(keys.batch(bid) for bid in [*made, "new"]), *(keys.batch_done(bid) for bid in made)
+    )
 
 
 def test_the_grafana_dashboard_queries_only_what_the_gateway_exposes(client, r, keys) -> None:
