@@ -54,6 +54,15 @@ class RequestTable:
                 self.engine_ids.pop(engine_id, None)
         self.active.clear()
 
+    def drop(self, rid: str) -> None:
+        """Stop running rid without a word: it is no longer this worker's (another will run it)."""
+        active = self.active.pop(rid, None)
+        if active is None:
+            return
+        for engine_id in active.engine_ids:
+            self.engine.abort_request(engine_id)
+            self.engine_ids.pop(engine_id, None)
+
     def start(self, request: GenerateRequest) -> None:
         """Add the request to the engine; any failure answers it with an error and leaves nothing behind."""
         rid = request.request_id

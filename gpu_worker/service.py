@@ -18,7 +18,7 @@ from gpu_worker.kv_publisher import KVPublisher
 from gpu_worker.outbox import Outbox
 from gpu_worker.request_table import ActiveRequest, RequestTable
 from gpu_worker.settings import WorkerSettings, engine_config
-from shared.backoff import Backoff
+from shared.backoff import redis_backoff
 from shared.errors import CodedError, ErrorCode
 from shared.health import StatusReporter
 from shared.kv_map import encode_states
@@ -30,8 +30,8 @@ from shared.protocol import (
     decode,
 )
 from shared.redis_client import NamedPipeline, connect
-from shared.reservations import give_back
-from shared.streams import WORKER_GROUP, ensure_group, next_stream_id, read_inbox_entry
+from shared.reservations import RECOUNT_SCRIPT, give_back
+from shared.streams import WORKER_GROUP, ensure_group, next_stream_id, parse_stream_id, read_inbox_entry
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +65,14 @@ class WorkerService:
         self._keep_alive_stop = threading.Event()
         self._stopped = threading.Event()  # set by SIGTERM/SIGINT: cuts a backoff wait short
         self.aborts = self.redis.pubsub(ignore_subscribe_messages=True)
-        self.outbox = Outbox()
+        self.outbox = Outbox(settings.resend_window_s)
         self.table = RequestTable(self.engine, self.outbox, self.keys, self.worker_id, settings.request_ttl_s)
         self.kv = KVPublisher(self.redis, self.keys, self.worker_id, self.engine.allocator)
         self.registered = False
+        self.registered_once = False
+        self._recount = self.redis.register_script(RECOUNT_SCRIPT)
         self._taken_blocks = 0  # reserved for assignments taken in since the last heartbeat
-        self._backoff = Backoff()
+        self._backoff = redis_backoff(settings.redis_url)
 
     @property
     def active(self) -> dict[str, ActiveRequest]:
@@ -86,8 +88,12 @@ class WorkerService:
         """
         if not self.redis.exists(self.keys.inbox(self.worker_id)):
             self._taken_blocks = 0  # its reservation counter went with it
+            self.outbox.forget_sent()
             if self.active:
                 self._drop_all("its inbox is gone (declared dead, or Redis lost its data)")
+        elif self.registered_once:
+            self._repair()
+        self.registered_once = True
         self._create_group()
         self.aborts.close()
         self.aborts = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -97,6 +103,35 @@ class WorkerService:
         self.heartbeat()
         self.registered = True
         logger.info("worker %s ready: %d KV blocks", self.worker_id, self.engine.allocator.num_blocks)
+
+    def _repair(self) -> None:
+        """Redis is back after an error, with this worker's inbox: make it hold what this worker wrote.
+
+        A failover may have promoted a replica that lacks the newest writes of every service. What this
+        worker wrote lately is written again (the outbox keeps it, shared.records makes it idempotent); a
+        request it runs whose assignment the new master lacks was assigned after the last write the replica
+        got, so the scheduler assigns it again from the requests stream and it is dropped here; and the
+        reservation counter is recounted from the inbox (shared.reservations).
+        """
+        resent = self.outbox.resend(self.redis)
+        held = NamedPipeline(self.redis)
+        for rid in self.active:
+            held.named(rid).hexists(self.keys.assigned(self.worker_id), rid)
+        lost = [str(rid) for rid, kept in held.execute().items() if not kept]
+        for rid in lost:
+            self.table.drop(rid)
+        self._recount(
+            keys=[self.keys.inbox(self.worker_id), self.keys.reserved(self.worker_id)],
+            args=[self.inbox_last_id],
+        )
+        self._taken_blocks = 0
+        if resent or lost:
+            logger.warning(
+                "worker %s: Redis was away; wrote %d commands again, dropped %d requests it no longer holds",
+                self.worker_id,
+                resent,
+                len(lost),
+            )
 
     def _create_group(self) -> None:
         ensure_group(self.redis, self.keys.inbox(self.worker_id), WORKER_GROUP)
@@ -253,12 +288,20 @@ class WorkerService:
             self._rejoin()
             return 0
         entries: list[tuple[str, str | None]] = []
+        seen: list[str] = []
+        last_taken = parse_stream_id(self.inbox_last_id)
         for _, messages in reply or []:
             for entry_id, fields in messages:
+                if parse_stream_id(entry_id) <= last_taken:
+                    # Taken in before a failover whose new master had not heard of it: not run twice.
+                    seen.append(entry_id)
+                    continue
                 data, blocks = read_inbox_entry(fields)
                 entries.append((entry_id, data))
                 # Reserved for it by the scheduler: given back by the heartbeat that counts it (heartbeat()).
                 self._taken_blocks += blocks
+        if seen:
+            self.outbox.xack(inbox, WORKER_GROUP, *seen)
         if not entries:
             return 0
         assignments: dict[str, Assignment] = {}

@@ -36,6 +36,12 @@ class WorkerSettings(CommonSettings, DrainSettings, ServedModelSettings, EngineC
         description="float32, bfloat16, float16 or auto (bfloat16 on a GPU or a CPU with bf16 instructions)",
     )
     heartbeat_interval_s: float = Field(1.0, description="seconds between heartbeats")
+    resend_window_s: float = Field(
+        10.0,
+        ge=0,
+        description="after Redis was away, write again what was written this many seconds before (a failover "
+        "or a restart may have lost it); 0: never",
+    )
 
 
 def engine_config(settings: WorkerSettings, **overrides: object) -> EngineConfig:

@@ -28,7 +28,7 @@ from scheduler_svc.queue import ModelQueues, QueuedRequest, QueueTimes
 from scheduler_svc.reserve import Reserver
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.workers import WorkerView
-from shared.backoff import Backoff
+from shared.backoff import redis_backoff
 from shared.health import StatusReporter
 from shared.protocol import Assignment, SchedulerStats, WireError
 from shared.records import error_events, push_event
@@ -90,7 +90,7 @@ class SchedulerService:
         process."""
         block_ms = max(1, round(self.settings.poll_interval_s * 1000))
         log.info("scheduler %s reading %s", self.consumer, self.keys.requests)
-        backoff = Backoff()
+        backoff = redis_backoff(self.settings.redis_url)
         last_iteration = time.monotonic()
         status = StatusReporter(
             self.settings.status_file,

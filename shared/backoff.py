@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import random
 
+from shared.redis_client import is_sentinel_url
+
 FIRST_DELAY_S = 0.1
 MAX_DELAY_S = 2.0
+# Under Sentinel a lost master is replaced within seconds (down-after plus about a second), and asking the
+# Sentinels costs little: the services look again at least this often.
+SENTINEL_MAX_DELAY_S = 0.5
 
 
 class Backoff:
@@ -27,3 +32,8 @@ class Backoff:
     def reset(self) -> None:
         self._next_s = self._first_s
         self.failures = 0
+
+
+def redis_backoff(redis_url: str) -> Backoff:
+    """The backoff a service waits with between attempts to reach the Redis of redis_url."""
+    return Backoff(max_s=SENTINEL_MAX_DELAY_S if is_sentinel_url(redis_url) else MAX_DELAY_S)

@@ -4,6 +4,10 @@ read back by the gateway (to fill gaps) and by failover (to resume it elsewhere)
 Per sample, the record is a list of its token ids and, once it has ended, its SampleEnd in the request's
 finished hash. Both are written in the same pipeline as the event and before it is published, so a receiver
 that notices a gap finds the missing tokens recorded.
+
+Every write is idempotent: tokens go in at their position (APPEND_TOKENS adds only what the record lacks), so
+a writer may send the same event again, after an error or a failover that lost writes, and the record stays
+what one send would have made.
 """
 
 from __future__ import annotations
@@ -20,12 +24,26 @@ from shared.protocol import GenerateRequest, SampleEnd, TokenEvent, WireError, d
 logger = logging.getLogger(__name__)
 
 
+# KEYS[1] a sample's token record   ARGV[1] the position of the first token   ARGV[2] the record's TTL (s)
+# ARGV[3..] the tokens. Appends those past the record's end; returns how many tokens the record lacks before
+# ARGV[1] (0 when none: it is then complete up to the last token given).
+APPEND_TOKENS = """
+local have = redis.call('LLEN', KEYS[1])
+local start = tonumber(ARGV[1])
+if have < start then return start - have end
+for first = have - start + 3, #ARGV, 1000 do
+  redis.call('RPUSH', KEYS[1], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 0
+"""
+
+
 def push_event(pipe: Any, keys: Keys, event: TokenEvent, ttl_s: int) -> None:
-    """Queue on pipe: record the event's tokens and end, then publish it."""
+    """Queue on pipe: record the event's tokens (at their position) and end, then publish it."""
     rid, index = event.request_id, event.index
     if event.token_ids:
-        pipe.rpush(keys.tokens(rid, index), *event.token_ids)
-        pipe.expire(keys.tokens(rid, index), ttl_s)
+        pipe.eval(APPEND_TOKENS, 1, keys.tokens(rid, index), event.start, ttl_s, *event.token_ids)
     end = event.sample_end
     if end is not None:
         pipe.hset(keys.finished(rid), str(index), encode(end))

@@ -2,14 +2,25 @@
 
 Every client decodes replies to `str` (keys, hash fields, stream ids and pub/sub payloads alike), so no code
 juggles bytes and str.
+
+`REDIS_URL` is a plain Redis (`redis://HOST:PORT/DB`, `rediss://`, `unix://`) or a master that Sentinels
+manage: `redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]` (the password is the
+master's; `?sentinel_password=` gives the Sentinels' own). A Sentinel client asks the Sentinels for the
+master whenever it opens a connection, so after a failover every new connection goes to the new master. A
+connection that finds its server is no longer the master fails as a connection error (so the caller's usual
+retry runs, on a new connection): READONLY (a demoted master refusing a write), UNBLOCKED (a blocking read
+cut short by the demotion), NOREPLICAS and MASTERDOWN.
 """
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
+import redis.sentinel
 
 CONNECT_TIMEOUT_S = 5.0
 # Longer than any blocking read a service issues (those wait well under a second), so it only fires when a
@@ -18,11 +29,111 @@ READ_TIMEOUT_S = 30.0
 HEALTH_CHECK_INTERVAL_S = 30
 
 
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_CONNECT_TIMEOUT_S = 1.0  # a Sentinel that is down costs this much before the next one is asked
+# Errors that mean "this server is not the master any more": the master moved, the command must go again.
+_MASTER_MOVED = ("UNBLOCKED", "NOREPLICAS", "MASTERDOWN")
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelURL:
+    """A `redis+sentinel://` URL, parsed."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.startswith(f"{SENTINEL_SCHEME}://")
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """The Sentinels, master name and database of a `redis+sentinel://` URL (ValueError: what is wrong)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        raise ValueError(f"not a {SENTINEL_SCHEME}:// URL: {url!r}")
+    credentials, _, hosts = parts.netloc.rpartition("@")
+    sentinels = []
+    for host_port in hosts.split(","):
+        host, colon, port = host_port.strip().rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(f"a Sentinel must be HOST:PORT, got {host_port!r} in {url!r}")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"the path must be /MASTER_NAME or /MASTER_NAME/DB, got {parts.path!r} in {url!r}")
+    username, _, password = credentials.partition(":") if credentials else ("", "", "")
+    query = urllib.parse.parse_qs(parts.query)
+    return SentinelURL(
+        sentinels=tuple(sentinels),
+        master=urllib.parse.unquote(path[0]),
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=urllib.parse.unquote(username) or None,
+        password=urllib.parse.unquote(password) or None,
+        sentinel_password=query.get("sentinel_password", [None])[0],
+    )
+
+
+def describe_url(url: str) -> str:
+    """The URL with any password masked, for logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+class _MasterConnection(redis.sentinel.SentinelManagedConnection):
+    """A connection to the Sentinels' master that takes every sign of a demoted master as a lost connection:
+    it disconnects (so the next connect asks the Sentinels again) and raises ConnectionError."""
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.ResponseError as e:
+            if not str(e).startswith(_MASTER_MOVED):
+                raise
+            self.disconnect()
+            raise redis.ConnectionError(f"the master changed ({e})") from e
+
+
+class _BlockingSentinelPool(redis.sentinel.SentinelConnectionPool, redis.BlockingConnectionPool):
+    """The Sentinels' master, with the blocking pool's wait for a free connection."""
+
+
+def _sentinel_client(url: str, max_connections: int | None, settings: dict[str, Any]) -> redis.Redis:
+    parsed = parse_sentinel_url(url)
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+        "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+        "decode_responses": True,
+    }
+    if parsed.sentinel_password:
+        sentinel_kwargs["password"] = parsed.sentinel_password
+    sentinel = redis.sentinel.Sentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs)
+    options: dict[str, Any] = {
+        **settings,
+        "db": parsed.db,
+        "username": parsed.username,
+        "password": parsed.password,
+        "connection_class": _MasterConnection,
+    }
+    if max_connections is None:
+        return sentinel.master_for(parsed.master, **options)
+    pool_options = {**options, "max_connections": max_connections, "timeout": READ_TIMEOUT_S}
+    return sentinel.master_for(parsed.master, connection_pool_class=_BlockingSentinelPool, **pool_options)
+
+
 def connect(url: str, max_connections: int | None = None, **options: Any) -> redis.Redis:
     """A client (one connection pool) for url, replies decoded to str; options override the defaults.
 
     With max_connections, a command that finds every connection busy waits for one (up to the read timeout)
-    instead of failing: what a process serving many requests at once needs.
+    instead of failing: what a process serving many requests at once needs. A `redis+sentinel://` url gives
+    a client of the Sentinels' current master (see the module's docstring).
     """
     settings: dict[str, Any] = {
         "decode_responses": True,
@@ -31,6 +142,8 @@ def connect(url: str, max_connections: int | None = None, **options: Any) -> red
         "health_check_interval": HEALTH_CHECK_INTERVAL_S,
         **options,
     }
+    if is_sentinel_url(url):
+        return _sentinel_client(url, max_connections, settings)
     if max_connections is None:
         return redis.Redis.from_url(url, **settings)
     pool = redis.BlockingConnectionPool.from_url(

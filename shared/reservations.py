@@ -25,7 +25,10 @@ scheduler's margin (its WATERMARK_BLOCKS setting). The rules:
    script, and the registry reader for the scheduler's view (shared.registry).
 4. A draining worker (heartbeat `draining`: it was asked to stop) has no room: the script refuses it, so
    from the heartbeat that says so on, its inbox gets nothing new.
-5. When a worker is declared dead its inbox, assignments and counter are deleted together (failover); a
+5. After Redis was away (a failover may have lost the newest writes of either side), a worker recounts its
+   counter with RECOUNT_SCRIPT: the blocks of the inbox entries after the last one it took in, which no
+   heartbeat counts yet, and starts its next heartbeat's give-back from zero.
+6. When a worker is declared dead its inbox, assignments and counter are deleted together (failover); a
    worker that finds its inbox gone forgets what it had taken in (its counter went with it).
 
 The blocks a request takes are GenerateRequest.num_blocks_for_prompt(block_size): its prompt and any tokens
@@ -59,6 +62,22 @@ local entry = redis.call('XADD', KEYS[3], '*', '{DATA_FIELD}', ARGV[4], '{BLOCKS
 redis.call('XACK', KEYS[5], ARGV[6], ARGV[7])
 redis.call('XDEL', KEYS[5], ARGV[7])
 return entry
+"""
+
+
+RECOUNT_SCRIPT = f"""
+-- KEYS[1] the worker's inbox   KEYS[2] its reservation counter
+-- ARGV[1] the last entry the worker took in ('0-0': none)
+-- Sets the counter to the blocks of the entries after that one; returns them.
+local total = 0
+for _, entry in ipairs(redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+')) do
+  local fields = entry[2]
+  for i = 1, #fields, 2 do
+    if fields[i] == '{BLOCKS_FIELD}' then total = total + tonumber(fields[i + 1]) end
+  end
+end
+redis.call('SET', KEYS[2], total)
+return total
 """
 
 

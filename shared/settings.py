@@ -12,10 +12,11 @@ import argparse
 from collections.abc import Sequence
 from typing import TypeVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.keys import Keys
+from shared.redis_client import is_sentinel_url, parse_sentinel_url
 
 
 class CommonSettings(BaseSettings):
@@ -23,12 +24,23 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(extra="ignore", case_sensitive=False, protected_namespaces=())
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis the services talk through")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis the services talk through: redis://HOST:PORT/DB, or a master under Sentinel: "
+        "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]",
+    )
     redis_prefix: str = Field("pagedserve", description="prefix of every Redis key")
     model: str | None = Field(None, description="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     heartbeat_ttl_s: float = Field(5.0, description="a worker whose heartbeat is older than this is dead")
     request_ttl_s: int = Field(3600, description="lifetime of a request's token record and abort flag")
     log_level: str = Field("INFO", description="logging level")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        if is_sentinel_url(url):
+            parse_sentinel_url(url)  # a malformed one says what is wrong at start-up
+        return url
 
     @property
     def keys(self) -> Keys:

@@ -107,6 +107,7 @@ class Generation:
         self._attachment: str | None = None
         self._renewed_at = 0.0
         self._closed = False
+        self._owner = ""
         self.reattached = False  # a client attached to a request it did not submit here (no metrics)
         self.resumed = False  # ... and it has had part of the stream (no opening chunks)
         self.usage_sent = False  # ... all of it, up to the usage chunk
@@ -135,6 +136,7 @@ class Generation:
             hub=hub,
             outage_grace_s=limits.redis_outage_grace_s,
             wakeup=wakeup,
+            resend=self._resend,
         )
         if attachments is not None:
             try:
@@ -177,6 +179,7 @@ class Generation:
         """Queue the request, with the record of it a resumed stream reads (one MULTI; with pipe, the caller's
         pipeline, which the caller executes), once its subscription is in place."""
         self._receiver.confirm()
+        self._owner = owner
         rid = self.request_id
         own = pipe is None
         if pipe is None:
@@ -187,6 +190,25 @@ class Generation:
         queue_request(pipe, self._keys.requests, self.request)
         if own:
             pipe.execute()
+
+    def _resend(self) -> None:
+        """Queue the request again, for a Redis that came back without it: the samples still going, each
+        resumed from the tokens it has streamed (recorded again, as its worker would have)."""
+        going = [s for s in self.samples if not s.finished]
+        request = self.request.model_copy(
+            update={"samples": [s.index for s in going], "resume": {s.index: s.token_ids for s in going}}
+        )
+        ttl = self._limits.request_ttl_s
+        pipe = self._client.pipeline(transaction=True)
+        pipe.set(self._keys.request_meta(self.request_id), encode(self.prepared.meta(self._owner)), ex=ttl)
+        for sample in going:
+            if sample.token_ids:
+                key = self._keys.tokens(self.request_id, sample.index)
+                pipe.delete(key)
+                pipe.rpush(key, *sample.token_ids)
+                pipe.expire(key, ttl)
+        queue_request(pipe, self._keys.requests, request)
+        pipe.execute()
 
     def updates(self) -> Iterator[list[SampleOutput]]:
         """Each batch of samples that changed; an empty list after every tick_s without events.

@@ -52,6 +52,7 @@ class SampleOutput:
         self._want_logprobs = want_logprobs
         self.text = ""
         self.num_tokens = 0
+        self.token_ids: list[int] = []  # every token taken in (what a resent request resumes from)
         self.logprobs: list[LogprobEntry] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop string or stop token id that ended it
@@ -87,6 +88,7 @@ class SampleOutput:
             if self.finished:
                 return
             self.num_tokens += 1
+            self.token_ids.append(token_id)
             if self._want_logprobs:
                 self.logprobs.append(
                     LogprobEntry(

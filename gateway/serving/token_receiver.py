@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pydantic
@@ -58,7 +59,8 @@ class TokenReceiver:
 
     Messages come through the process's event hub. When its connection to Redis drops, the hub connects
     again, and the receiver reads what it missed from the record; a Redis that stays away past
-    outage_grace_s, or comes back without the request, fails it with queue_unavailable.
+    outage_grace_s fails it with queue_unavailable. One that comes back without the request (a failover
+    whose new master never got it, or lost data) gets it again from resend(), or fails it without one.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class TokenReceiver:
         hub: EventHub,
         outage_grace_s: float = 30.0,
         wakeup: threading.Event | None = None,
+        resend: Callable[[], None] | None = None,
     ) -> None:
         self._client = client
         self._keys = keys
@@ -78,6 +81,7 @@ class TokenReceiver:
         self.expected = [0] * num_samples
         self.finished: dict[int, str] = {}
         self._outage_grace_s = outage_grace_s
+        self._resend = resend
         self._hub = hub
         # In place before the request is queued: confirmed on return, or (with a shared wake-up) by confirm().
         self._subscription = hub.subscribe(
@@ -148,10 +152,18 @@ class TokenReceiver:
         except redis.RedisError:
             return []
         if not known:
-            raise GenerationError(
-                ErrorCode.QUEUE_UNAVAILABLE,
-                "Redis came back without this request (it lost its data); send it again",
-            )
+            if self._resend is None:
+                raise GenerationError(
+                    ErrorCode.QUEUE_UNAVAILABLE,
+                    "Redis came back without this request (it lost its data); send it again",
+                )
+            # A failover to a replica that never got it, or a Redis that lost its data: queued again, to go
+            # on from where each sample's stream is.
+            logger.warning("request %s: Redis came back without it; sending it again", self.request_id)
+            try:
+                self._resend()
+            except redis.RedisError:
+                return []
         self._epoch = self._hub.epoch
         logger.info("request %s: Redis is back; catching up from the record", self.request_id)
         return self.catch_up()
