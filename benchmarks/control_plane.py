@@ -143,10 +143,27 @@ def served_once(client: redis.Redis, keys: Keys, rids: list[str]) -> tuple[int, 
     return lost, duplicated
 
 
-def admit(client: redis.Redis, keys: Keys, name: str, rids: list[str], rate: float | None) -> dict[str, Any]:
+def redis_cpu_s(client: redis.Redis) -> float:
+    """The Redis server's CPU time so far (user and system, all its threads), from INFO: what the run's
+    figures of Redis CPU are differences of, so REDIS_URL should be a Redis of the run's own."""
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def idle_redis_cpu(client: redis.Redis, seconds: float = 2.0) -> float:
+    """Redis's CPU seconds a second with the services idle (heartbeats, idle polls), to take off a run's."""
+    before = redis_cpu_s(client)
+    time.sleep(seconds)
+    return (redis_cpu_s(client) - before) / seconds
+
+
+def admit(
+    client: redis.Redis, keys: Keys, name: str, rids: list[str], rate: float | None, idle_cpu: float
+) -> dict[str, Any]:
     """Send rids (at once, or at rate per second), wait until the scheduler admitted all and the workers ran
-    them; the figures of this run alone (the histogram's difference)."""
+    them; the figures of this run alone (the histogram's difference; Redis's CPU less its idle rate)."""
     before = scheduler_stats(client, keys)
+    cpu_before = redis_cpu_s(client)
     start = time.monotonic()
     step = len(rids) if rate is None else max(1, int(rate / 100))  # batches every 10 ms or so
     for i in range(0, len(rids), step):
@@ -159,6 +176,7 @@ def admit(client: redis.Redis, keys: Keys, name: str, rids: list[str], rate: flo
     after = scheduler_stats(client, keys)
     buckets = [b - a for a, b in zip(before.queue_time_buckets, after.queue_time_buckets)]
     wait_for(f"{name}'s tokens", lambda: served_once(client, keys, rids)[0] == 0, 120)
+    redis_cpu = redis_cpu_s(client) - cpu_before - idle_cpu * (time.monotonic() - start)
     lost, duplicated = served_once(client, keys, rids)
     return {
         "scenario": name,
@@ -169,14 +187,16 @@ def admit(client: redis.Redis, keys: Keys, name: str, rids: list[str], rate: flo
         "queue_time_buckets": buckets,
         "lost": lost,
         "duplicated": duplicated,
+        "redis_cpu_us_per_request": 1e6 * redis_cpu / len(rids),
     }
 
 
 def run_admission(client: redis.Redis, keys: Keys, args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = [admit(client, keys, "burst", [f"burst-{i}" for i in range(args.requests)], None)]
+    idle_cpu = idle_redis_cpu(client)
+    rows = [admit(client, keys, "burst", [f"burst-{i}" for i in range(args.requests)], None, idle_cpu)]
     for rate in args.rates:
         rids = [f"paced-{rate:g}-{i}" for i in range(int(rate * args.paced_s))]
-        rows.append(admit(client, keys, f"paced {rate:g}/s", rids, rate))
+        rows.append(admit(client, keys, f"paced {rate:g}/s", rids, rate, idle_cpu))
     return rows
 
 
@@ -250,8 +270,12 @@ def run_streams(url: str, redis_url: str, keys: Keys, args: argparse.Namespace, 
     reader = context.Process(target=read_channels, args=(redis_url, keys.events("*"), log, stop))
     reader.start()
     time.sleep(0.5)
+    client = connect(redis_url)
+    idle_cpu = idle_redis_cpu(client)
+    cpu_before, start = redis_cpu_s(client), time.monotonic()
     try:
         results, killed_at = asyncio.run(stream_all(url, args, kill))
+        redis_cpu = redis_cpu_s(client) - cpu_before - idle_cpu * (time.monotonic() - start)
     finally:
         time.sleep(0.5)
         stop.set()
@@ -267,6 +291,8 @@ def run_streams(url: str, redis_url: str, keys: Keys, args: argparse.Namespace, 
         "itl_gateway_ms": {q: percentile(gateway, q) for q in (50, 99)},
         "itl_direct_ms": {q: percentile(direct, q) for q in (50, 99)},
         "itl_p99_added_ms": percentile(gateway, 99) - percentile(direct, 99),
+        # Every stream's whole life (submit, admission, tokens, the channel reader's copy), a token streamed.
+        "redis_cpu_us_per_token": 1e6 * redis_cpu / max(1, sum(r.get("tokens", 0) for r in results)),
         "gateway_itls_ms": gateway,
         "direct_itls_ms": direct,
     }
@@ -276,18 +302,21 @@ def run_streams(url: str, redis_url: str, keys: Keys, args: argparse.Namespace, 
 
 
 def print_table(admission: list[dict[str, Any]], streams: dict[str, Any]) -> None:
-    print("| scenario | requests | admitted/s | enqueue to inbox p50 / p99 ms | lost | duplicated |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| scenario | requests | admitted/s | enqueue to inbox p50 / p99 ms | lost | duplicated "
+          "| Redis CPU µs a request |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in admission:
         lat = row["latency_ms"]
         print(f"| {row['scenario']} | {row['requests']} | {row['admissions_per_s']:.0f} | "
-              f"{lat[50]:g} / {lat[99]:g} | {row['lost']} | {row['duplicated']} |")  # fmt: skip
+              f"{lat[50]:g} / {lat[99]:g} | {row['lost']} | {row['duplicated']} | "
+              f"{row['redis_cpu_us_per_request']:.1f} |")  # fmt: skip
     g, d = streams["itl_gateway_ms"], streams["itl_direct_ms"]
     print(f"\n{streams['streams']} streams through one gateway, one of two worker processes killed after "
           f"{streams['killed_after_s']} s: {streams['errors']} errors, {streams['incomplete']} incomplete; "
           f"ITL p50/p99 {g[50]:.1f}/{g[99]:.1f} ms at the client, "
           f"{d[50]:.1f}/{d[99]:.1f} ms on the Redis channel "
-          f"(p99 added: {streams['itl_p99_added_ms']:+.1f} ms)")  # fmt: skip
+          f"(p99 added: {streams['itl_p99_added_ms']:+.1f} ms); Redis CPU "
+          f"{streams['redis_cpu_us_per_token']:.1f} µs a token streamed")  # fmt: skip
 
 
 def plot(admission: list[dict[str, Any]], streams: dict[str, Any], path: Path) -> None:

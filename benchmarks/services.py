@@ -36,6 +36,11 @@ def worker_blocks(redis_url: str, keys: Keys) -> int | None:
     return None
 
 
+def kind_of(keys: Keys, name: str) -> str:
+    """A key's name past the prefix (and past the control plane's hash tag)."""
+    return name.removeprefix(keys.control + ":").removeprefix(keys.prefix + ":")
+
+
 def delete_keys(redis_url: str, keys: Keys) -> dict[str, int]:
     """Deletes every key under the prefix; returns how many of each kind there were (ids as *)."""
     client = connect(redis_url, socket_connect_timeout=2)
@@ -44,7 +49,7 @@ def delete_keys(redis_url: str, keys: Keys) -> dict[str, int]:
         for pattern in keys.all_patterns():
             names = list(client.scan_iter(match=pattern, count=1000))
             kinds.update(
-                re.sub(r"^(request|worker):[^:]+", r"\1:*", n[len(keys.prefix) + 1 :]) for n in names
+                re.sub(r"^(request|worker):(\{[^}]*\}|[^:]+)", r"\1:*", kind_of(keys, n)) for n in names
             )
             if names:
                 client.delete(*names)

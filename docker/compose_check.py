@@ -37,6 +37,8 @@ from typing import Any
 import openai
 import redis
 
+from shared.keys import Keys
+
 REPO = Path(__file__).resolve().parent.parent
 LOCAL = REPO / "docker" / "local"
 PROJECT = "pagedserve-check"
@@ -45,7 +47,7 @@ PORT = int(os.environ.get("PORT", "8000"))
 REDIS_PORT = int(os.environ.get("REDIS_PORT", "6390"))
 BASE_URL = f"http://127.0.0.1:{PORT}"
 MODEL = "SmolLM2-135M-Instruct"
-PREFIX = "pagedserve"  # REDIS_PREFIX in docker-compose.yml
+KEYS = Keys("pagedserve")  # REDIS_PREFIX in docker-compose.yml
 SERVICES = ("redis", "gateway", "batch", "scheduler", "worker")
 IMAGES = ("pagedserve/service:0.1.0", "pagedserve/worker-cpu:0.1.0")
 TORCH_WHEEL = "torch-2.13.0+cpu-cp311-*.whl"
@@ -199,8 +201,8 @@ class Cluster:
 
     def live_workers(self) -> dict[str, dict[str, str]]:
         beats = {}
-        for wid in self.redis.smembers(f"{PREFIX}:workers"):
-            beat = self.redis.hgetall(f"{PREFIX}:worker:{wid}")
+        for wid in self.redis.smembers(KEYS.workers):
+            beat = self.redis.hgetall(KEYS.worker(wid))
             if beat:
                 beats[wid] = beat
         return beats
@@ -210,11 +212,11 @@ class Cluster:
         return [
             wid
             for wid in self.live_workers()
-            if any(fragment in rid for rid in self.redis.hkeys(f"{PREFIX}:worker:{wid}:assigned"))
+            if any(fragment in rid for rid in self.redis.hkeys(KEYS.assigned(wid)))
         ]
 
     def num_assigned(self) -> int:
-        return sum(self.redis.hlen(f"{PREFIX}:worker:{wid}:assigned") for wid in self.live_workers())
+        return sum(self.redis.hlen(KEYS.assigned(wid)) for wid in self.live_workers())
 
 
 MESSAGES = [{"role": "user", "content": "Write a long story about the sea, the wind and a lighthouse."}]

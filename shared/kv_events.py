@@ -1,10 +1,10 @@
 """KV events: what each worker's prefix cache stores and evicts, for the schedulers' prefix index.
 
 Per worker, two keys (shared.keys):
-- `{p}:worker:{wid}:kv_blocks`, a set: every block hash (shared.prefix) its prefix cache holds, in use or
-  evictable, as decimal strings;
-- `{p}:worker:{wid}:kv_events`, a stream capped at about KV_EVENTS_MAXLEN entries: one entry per engine step
-  that changed the cache (fields `seq`, `stored`, `removed`), or one that says the set was rewritten
+- `<p>:{<p>}:worker:<wid>:kv_blocks`, a set: every block hash (shared.prefix) its prefix cache holds, in use
+  or evictable, as decimal strings;
+- `<p>:{<p>}:worker:<wid>:kv_events`, a stream capped at about KV_EVENTS_MAXLEN entries: one entry per engine
+  step that changed the cache (fields `seq`, `stored`, `removed`), or one that says the set was rewritten
   (`reset`).
 
 The rules:

@@ -59,7 +59,7 @@ class GenerateRequest(WireModel):
 
 
 class RequestMeta(WireModel):
-    """What the gateway keeps of a request while its record lives (`{p}:request:{rid}:meta`): that it exists
+    """What the gateway keeps of a request while its record lives (`<p>:request:{<rid>}:meta`): that it exists
     (a Redis that came back empty has lost it), and what a resumed stream needs to continue its output."""
 
     request: GenerateRequest

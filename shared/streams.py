@@ -1,10 +1,10 @@
 """The Redis streams and what rides on them: the envelope of each stream's entries, their consumer groups,
 stream ids, and the lease that lets one process at a time do a job.
 
-| stream                 | entry fields                          | written by                | group     |
-| ---------------------- | ------------------------------------- | ------------------------- | --------- |
-| {p}:requests           | data: GenerateRequest                 | gateway, batch, scheduler | scheduler |
-| {p}:worker:{wid}:inbox | data: Assignment, blocks: reserved    | scheduler (admit script)  | worker    |
+| stream (shared.keys)        | entry fields                       | written by                | group     |
+| --------------------------- | ---------------------------------- | ------------------------- | --------- |
+| <p>:{<p>}:requests          | data: GenerateRequest              | gateway, batch, scheduler | scheduler |
+| <p>:{<p>}:worker:<wid>:inbox | data: Assignment, blocks: reserved | scheduler (admit script)  | worker    |
 
 The requests stream is capped (XADD MAXLEN ~) by every writer; a worker trims the inbox entries it has taken
 with its heartbeat. An inbox entry is written by the scheduler's admit script (shared.reservations), which

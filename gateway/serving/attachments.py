@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class Attachments:
-    """Leases on requests in the `{p}:request:{rid}:attached` sorted sets (member: attachment id, score: the
+    """Leases on requests in the `<p>:request:{<rid>}:attached` sorted sets (member: attachment id, score: the
     lease's end in seconds)."""
 
     def __init__(

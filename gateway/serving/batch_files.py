@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import pydantic
 import redis
@@ -32,9 +32,10 @@ class FileStore:
         record = FileRecord(
             id=file_id, bytes=size, created_at=int(time.time()), filename=filename, purpose=purpose
         )
-        pipe = self._client.pipeline(transaction=True)
-        pipe.set(self._keys.file(file_id), encode(record))
+        # Listed first, then written: the listing is on a slot of its own (UNLISTED_GRACE_S).
+        pipe = self._client.pipeline(transaction=False)
         pipe.zadd(self._keys.files, {file_id: time.time()})
+        pipe.set(self._keys.file(file_id), encode(record))
         pipe.execute()
         return record
 
@@ -56,13 +57,20 @@ class FileStore:
 
     def delete(self, file_id: str) -> bool:
         """Whether there was such a file."""
-        pipe = self._client.pipeline(transaction=True)
+        pipe = self._client.pipeline(transaction=False)  # the record, then its listing
         pipe.delete(self._keys.file(file_id))
         pipe.zrem(self._keys.files, file_id)
         existed = bool(pipe.execute()[0])
         if existed:  # (an id from a record is one of ours; any other never reaches the storage)
             self._storage.delete(file_id)
         return existed
+
+
+# A listing (a zset of ids by creation time) and the records it lists are on different Redis Cluster slots, so
+# no MULTI holds both: a record is listed before it is written and unlisted after it is deleted, and a member
+# whose record is missing is dropped from the listing once it is this old (a write that failed between the
+# two, or a batch past its retention), never while its record may still be on its way.
+UNLISTED_GRACE_S = 60.0
 
 
 def listing_page(
@@ -74,8 +82,11 @@ def listing_page(
     purpose: str | None = None,
 ) -> tuple[list[Any], bool]:
     """A page of a listing (a zset by creation time, newest first) after the id `after`: up to limit records
-    and whether more follow. Members whose record has gone (a batch past its retention) leave the listing."""
-    ids = [str(one) for one in client.zrevrange(listing, 0, -1)]
+    and whether more follow. Members whose record has gone (a batch past its retention) leave the listing,
+    once past UNLISTED_GRACE_S."""
+    members = cast(list[tuple[str, float]], client.zrevrange(listing, 0, -1, withscores=True))
+    listed_at = {str(one): score for one, score in members}
+    ids = list(listed_at)
     start = 0
     if after is not None:
         if after not in ids:
@@ -86,7 +97,8 @@ def listing_page(
     for one in ids[start:]:
         record = get(one)
         if record is None:
-            gone.append(one)
+            if listed_at[one] < time.time() - UNLISTED_GRACE_S:
+                gone.append(one)
         elif purpose is None or getattr(record, "purpose", None) == purpose:
             found.append(record)
             if len(found) > limit:

@@ -97,15 +97,16 @@ class BatchStore:
 
     def create(self, spec: BatchSpec) -> BatchRecord:
         fields = {"spec": encode(spec), "status": "validating", "total": "0", "completed": "0", "failed": "0"}
-        pipe = self._client.pipeline(transaction=True)
-        pipe.hset(self.keys.batch(spec.id), mapping=fields)  # type: ignore[arg-type]
+        # Listed first, then written: the listing is on a slot of its own (batch_files.UNLISTED_GRACE_S).
+        pipe = self._client.pipeline(transaction=False)
         pipe.zadd(self.keys.batches, {spec.id: time.time()})
+        pipe.hset(self.keys.batch(spec.id), mapping=fields)  # type: ignore[arg-type]
         pipe.execute()
         return BatchRecord(fields)
 
     def delete(self, batch_id: str) -> None:
-        """Forget a batch that never started (it could not be queued)."""
-        pipe = self._client.pipeline(transaction=True)
+        """Forget a batch that never started (it could not be queued): its record, then its listing."""
+        pipe = self._client.pipeline(transaction=False)
         pipe.delete(self.keys.batch(batch_id))
         pipe.zrem(self.keys.batches, batch_id)
         pipe.execute()

@@ -39,6 +39,8 @@ class SentinelRedis:
         self._wait(
             lambda: "master_link_status:up" in self._info("replica", "replication"), timeout, "replica"
         )
+        # failover-timeout 2 s: a Sentinel starts no second failover of a master within twice that, and the
+        # tests fail over one after another.
         for n in range(3):
             port = free_port()
             conf = self._workdir / f"sentinel-{n}.conf"
@@ -46,7 +48,7 @@ class SentinelRedis:
                 f"port {port}\nbind 127.0.0.1\ndir {self._workdir}\n"
                 f"sentinel monitor {MASTER_NAME} 127.0.0.1 {primary} {QUORUM}\n"
                 f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n"
-                f"sentinel failover-timeout {MASTER_NAME} 10000\n"
+                f"sentinel failover-timeout {MASTER_NAME} 2000\n"
                 f"sentinel parallel-syncs {MASTER_NAME} 1\n"
             )
             self._spawn(f"sentinel-{n}", port, [str(conf), "--sentinel"])
