@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -94,7 +95,8 @@ class SentinelRedis:
         """The master's port, as a live Sentinel says."""
         for n in range(3):
             try:
-                _, port = self.client(f"sentinel-{n}").sentinel_get_master_addr_by_name(MASTER_NAME)
+                reply: Any = self.client(f"sentinel-{n}").sentinel_get_master_addr_by_name(MASTER_NAME)
+                _, port = reply
                 return int(port)
             except redis.RedisError:
                 continue
@@ -112,7 +114,7 @@ class SentinelRedis:
         """Every Sentinel knows the master, one replica in sync that is not down, and the other two."""
         for n in range(3):
             sentinel = self.client(f"sentinel-{n}")
-            master = sentinel.sentinel_master(MASTER_NAME)
+            master: Any = sentinel.sentinel_master(MASTER_NAME)
             replicas = [
                 r
                 for r in sentinel.sentinel_slaves(MASTER_NAME)
