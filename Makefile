@@ -44,6 +44,7 @@ check-compose:
 	@command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose)
 	docker-compose config -q
 	docker-compose -f docker-compose.yml -f docker-compose.cpu.yml config -q
+	docker-compose -f docker-compose.yml -f docker-compose.sentinel.yml config -q
 
 # The images built and the suite started in real containers, then checked as an operator would
 # (docker/compose_check.py; not part of `make test`: it takes longer than CI allows). Starts a Docker daemon

