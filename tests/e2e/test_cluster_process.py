@@ -281,7 +281,8 @@ def test_client_disconnect_aborts_the_request(cluster: Cluster) -> None:
     flags = list(cluster.redis.scan_iter(match=cluster.keys.abort_flag("*")))
     disconnected = [k for k in flags if cluster.redis.get(k) == "client_disconnect"]
     assert len(disconnected) == 1
-    rid = disconnected[0][len(cluster.keys.abort_flag("")) - len(":abort") : -len(":abort")]
+    head, tail = cluster.keys.abort_flag("\0").split("\0")  # the key around its request id
+    rid = disconnected[0][len(head) : -len(tail)]
     assert decode(SampleEnd, cluster.redis.hget(cluster.keys.finished(rid), "0")).finish_reason == "abort"
     assert 3 <= cluster.redis.llen(cluster.keys.tokens(rid, 0)) < 1000
 
