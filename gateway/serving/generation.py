@@ -180,16 +180,18 @@ class Generation:
         pipeline, which the caller executes), once its subscription is in place."""
         self._receiver.confirm()
         self._owner = owner
-        rid = self.request_id
         own = pipe is None
         if pipe is None:
             pipe = self._client.pipeline(transaction=True)
-        pipe.set(
-            self._keys.request_meta(rid), encode(self.prepared.meta(owner)), ex=self._limits.request_ttl_s
-        )
-        queue_request(pipe, self._keys.requests, self.request)
+        self._queue_on(pipe, self.request)
         if own:
             pipe.execute()
+
+    def _queue_on(self, pipe: redis.client.Pipeline, request: GenerateRequest) -> None:
+        """Queue on pipe: the record of the request a resumed stream reads, then the request itself."""
+        meta = encode(self.prepared.meta(self._owner))
+        pipe.set(self._keys.request_meta(self.request_id), meta, ex=self._limits.request_ttl_s)
+        queue_request(pipe, self._keys.requests, request)
 
     def _resend(self) -> None:
         """Queue the request again, for a Redis that came back without it: the samples still going, each
@@ -198,16 +200,14 @@ class Generation:
         request = self.request.model_copy(
             update={"samples": [s.index for s in going], "resume": {s.index: s.token_ids for s in going}}
         )
-        ttl = self._limits.request_ttl_s
         pipe = self._client.pipeline(transaction=True)
-        pipe.set(self._keys.request_meta(self.request_id), encode(self.prepared.meta(self._owner)), ex=ttl)
         for sample in going:
             if sample.token_ids:
                 key = self._keys.tokens(self.request_id, sample.index)
                 pipe.delete(key)
                 pipe.rpush(key, *sample.token_ids)
-                pipe.expire(key, ttl)
-        queue_request(pipe, self._keys.requests, request)
+                pipe.expire(key, self._limits.request_ttl_s)
+        self._queue_on(pipe, request)
         pipe.execute()
 
     def updates(self) -> Iterator[list[SampleOutput]]:
