@@ -63,6 +63,7 @@ class EventHub:
         self._stopped = threading.Event()
         self.epoch = 0  # connections made so far; a change means messages may have been missed
         self.down_since: float | None = None  # while the connection is lost
+        self.back_at: float | None = None  # when it last came back after a loss
 
     def subscribe(
         self, channel: str, timeout: float, wakeup: threading.Event | None = None, *, wait: bool = True
@@ -136,6 +137,8 @@ class EventHub:
             pubsub.subscribe(*channels)
         else:
             pubsub.ping()  # fail here, not later, while Redis is away
+        if self.epoch:
+            self.back_at = time.monotonic()
         self.epoch += 1
         self.down_since = None
         while not self._stopped.is_set():

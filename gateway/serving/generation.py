@@ -20,6 +20,7 @@ from gateway.serving.settings import ClientSettings
 from gateway.serving.token_receiver import GenerationError, SampleTokens, TokenReceiver
 from gateway.serving.tokenization import Tokenizer
 from gateway.serving.worker_watch import WorkerWatch
+from shared.backoff import MAX_DELAY_S
 from shared.errors import ErrorCode
 from shared.keys import Keys
 from shared.protocol import AbortMessage, GenerateRequest, encode
@@ -295,7 +296,10 @@ class Generation:
         if self._watch is None:
             return
         grace = self._limits.no_worker_grace_s
-        if self._watch.seconds_without_worker() > grace:
+        # Redis back after an outage (empty, perhaps): each worker registers again once its own backoff
+        # ends, at most MAX_DELAY_S later, so the grace runs from then.
+        without = min(self._watch.seconds_without_worker(), self._receiver.back_for - MAX_DELAY_S)
+        if without > grace:
             raise GenerationError(
                 ErrorCode.NO_WORKER, f"no inference worker has been available for {grace:g} s; retry later"
             )

@@ -4,6 +4,7 @@ from the token record."""
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -107,6 +108,12 @@ class TokenReceiver:
     def connected(self) -> bool:
         """The hub's connection is up, and nothing was missed while it was down."""
         return self._hub.down_since is None and self._hub.epoch == self._epoch
+
+    @property
+    def back_for(self) -> float:
+        """Seconds since the hub's connection came back after its last loss (infinite: never lost)."""
+        back = self._hub.back_at
+        return math.inf if back is None else time.monotonic() - back
 
     def poll(self, timeout: float) -> list[SampleTokens]:
         """What arrives within timeout (all that is waiting, once the first event is in); when nothing does,

@@ -21,6 +21,7 @@ from gateway.serving.generation import Generation, Limits
 from gateway.serving.output import SampleOutput
 from gateway.serving.prepare import Prepared
 from gateway.serving.tokenization import Tokenizer
+from gateway.serving.worker_watch import WorkerWatch
 from shared.errors import ErrorCode
 from shared.keys import Keys
 from shared.protocol import (
@@ -195,6 +196,8 @@ def make_generation(
     stop: list[str] | None = None,
     logprobs: bool = False,
     timeout_s: float = 5.0,
+    watch: WorkerWatch | None = None,
+    no_worker_grace_s: float = 60,
 ) -> Generation:
     request = GenerateRequest(
         request_id=f"cmpl-{uuid.uuid4().hex}",
@@ -204,9 +207,13 @@ def make_generation(
     )
     prepared = Prepared(request=request, chat=False, stop=stop or [], want_logprobs=logprobs)
     limits = Limits(
-        timeout_s=timeout_s, tick_s=TICK_S, request_ttl_s=60, no_worker_grace_s=60, redis_outage_grace_s=60
+        timeout_s=timeout_s,
+        tick_s=TICK_S,
+        request_ttl_s=60,
+        no_worker_grace_s=no_worker_grace_s,
+        redis_outage_grace_s=60,
     )
-    return Generation(r, keys, tok, prepared, limits=limits, hub=hub)
+    return Generation(r, keys, tok, prepared, limits=limits, hub=hub, watch=watch)
 
 
 def next_change(updates: Iterator[list[SampleOutput]]) -> list[SampleOutput]:

@@ -10,6 +10,8 @@ import pytest
 from gateway.serving.errors import APIError
 from gateway.serving.generation import GenerationTimeout
 from gateway.serving.token_receiver import GenerationError
+from gateway.serving.worker_watch import WorkerWatch
+from shared.backoff import MAX_DELAY_S
 from shared.errors import ErrorCode
 from shared.protocol import (
     AbortMessage,
@@ -18,6 +20,7 @@ from shared.protocol import (
     decode,
     encode,
 )
+from shared.registry import WorkerRegistry
 from tests.support.gateway_app import (
     emit,
     make_generation,
@@ -169,3 +172,25 @@ def test_a_request_past_its_timeout_is_aborted(hub, r, keys, tok) -> None:
         list(gen.updates())
     gen.close()
     assert r.get(keys.abort_flag(gen.request_id)) == "timeout"
+
+
+def test_with_no_live_worker_a_request_fails_after_the_grace_counted_from_redis_coming_back(
+    hub, r, keys, tok
+) -> None:
+    """Redis back after an outage (empty, perhaps): the workers register again once their backoff ends, so
+    the grace runs from then; otherwise it runs from when the watch last saw a worker."""
+    grace = 0.3
+    watch = WorkerWatch(WorkerRegistry(r, keys), refresh_s=0.05)  # no worker registered under this prefix
+    hub.back_at = time.monotonic()  # the hub's connection just came back
+    gen = make_generation(hub, r, keys, tok, timeout_s=30, watch=watch, no_worker_grace_s=grace)
+    started = time.monotonic()
+    while time.monotonic() - started < 2 * grace:
+        gen.step(0.05)
+    assert gen.aborted is None
+    hub.back_at = time.monotonic() - MAX_DELAY_S  # back long enough for every worker to have tried again
+    with pytest.raises(GenerationError) as info:
+        while time.monotonic() - started < 5:
+            gen.step(0.05)
+    gen.close()
+    assert info.value.code is ErrorCode.NO_WORKER
+    assert r.get(keys.abort_flag(gen.request_id)) == "error"
