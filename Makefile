@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test lint check-compose compose-check run clean kernels bench-vllm
+.PHONY: install test lint check-compose compose-check compose-check-sentinel run clean kernels bench-vllm
 
 # Every service's extra in one venv (pyproject.toml declares and pins them), plus benchmarks and tests.
 EXTRAS := serving,gateway,batch,cli,scheduler,worker,bench,dev
@@ -45,6 +45,7 @@ check-compose:
 	docker-compose config -q
 	docker-compose -f docker-compose.yml -f docker-compose.cpu.yml config -q
 	docker-compose -f docker-compose.yml -f docker-compose.sentinel.yml config -q
+	docker-compose -f docker-compose.yml -f docker-compose.cpu.yml -f docker-compose.sentinel-cpu.yml config -q
 
 # The images built and the suite started in real containers, then checked as an operator would
 # (docker/compose_check.py; not part of `make test`: it takes longer than CI allows). Starts a Docker daemon
@@ -53,6 +54,12 @@ compose-check: $(STAMP)
 	@command -v dockerd >/dev/null && command -v docker-compose >/dev/null && command -v debootstrap >/dev/null \
 		|| (apt-get update -qq && apt-get install -y -qq docker.io docker-compose debootstrap)
 	$(PY) docker/compose_check.py
+
+# The same with Redis under Sentinel (docker-compose.sentinel-cpu.yml): the primary killed mid-stream.
+compose-check-sentinel: $(STAMP)
+	@command -v dockerd >/dev/null && command -v docker-compose >/dev/null && command -v debootstrap >/dev/null \
+		|| (apt-get update -qq && apt-get install -y -qq docker.io docker-compose debootstrap)
+	$(PY) docker/compose_check.py --sentinel
 
 # Everything locally on the default model: Redis if none answers, scheduler, WORKERS workers, the gateway.
 run: $(STAMP)

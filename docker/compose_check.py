@@ -1,6 +1,6 @@
 """`make compose-check`: build the images, start the suite in containers, and check it as an operator would.
 
-    python docker/compose_check.py [--keep]
+    python docker/compose_check.py [--keep] [--sentinel]
 
 On a host with no GPU and no registry: the base images come from Debian's packages (docker/base-images.sh),
 the files pip needs from this host go to docker/local/, and the suite runs from
@@ -14,6 +14,11 @@ containers, in order:
   5. `stop worker` drains: the workers take no new assignments, the streams in flight finish without an
      error, and every worker exits by itself (status 0) within its grace period;
   6. `down` leaves no container of the project.
+With --sentinel, Redis runs as a primary, a replica and three Sentinels (docker-compose.sentinel-cpu.yml) and
+the checks are: every service healthy; the client's chat answer and stream; the primary's process killed -9
+mid-stream: the Sentinels promote the replica, the stream finishes with the text of an uninterrupted run and a
+new request is served, and the old primary, restarted by its policy, comes back as the new master's replica;
+`down`.
 It prints how long each step took and the images' sizes, and exits non-zero at the first check that fails.
 A Docker daemon is started (vfs storage, no bridge) when none answers. --keep leaves the project up.
 """
@@ -54,6 +59,12 @@ TORCH_WHEEL = "torch-2.13.0+cpu-cp311-*.whl"
 STREAM_TOKENS = 64
 DRAIN_GRACE_S = 75  # stop_grace_period of the worker in docker-compose.yml
 HEALTHY_TIMEOUT_S = 900
+SENTINEL_FILE = "docker-compose.sentinel-cpu.yml"
+SENTINEL_SERVICES = ("redis-replica", "redis-sentinel-0", "redis-sentinel-1", "redis-sentinel-2")
+REPLICA_PORT = int(os.environ.get("REDIS_REPLICA_PORT", "6391"))
+SENTINEL_PORT = 26390  # redis-sentinel-0's
+MASTER_NAME = "pagedserve"
+DOWN_AFTER_S = 5.0  # down-after-milliseconds in docker-compose.sentinel-cpu.yml
 
 
 class CheckFailed(Exception):
@@ -355,6 +366,69 @@ def check_drain(cluster: Cluster, expected: str) -> None:
     wait_for("two healthy workers", lambda: all_healthy({"worker": 2}), HEALTHY_TIMEOUT_S, every=2)
 
 
+def master_port(sentinel: redis.Redis) -> int | None:
+    """The port of the master the Sentinel names (None while it cannot be asked)."""
+    try:
+        address = sentinel.sentinel_get_master_addr_by_name(MASTER_NAME)
+    except redis.RedisError:
+        return None
+    return int(address[1]) if address else None
+
+
+def replica_of(port: int, master: int) -> bool:
+    """The Redis on port is a replica of the one on master, with its link up."""
+    try:
+        info = redis.Redis(port=port, decode_responses=True).info("replication")
+    except redis.RedisError:
+        return False
+    return (
+        info.get("role") == "slave"
+        and int(info.get("master_port", 0)) == master
+        and info.get("master_link_status") == "up"
+    )
+
+
+def check_failover(cluster: Cluster, expected: str) -> None:
+    """kill -9 of the primary's process mid-stream: the Sentinels promote the replica, and no client sees it
+    but as a pause."""
+    sentinel = redis.Redis(port=SENTINEL_PORT, decode_responses=True)
+    wait_for("the replica in sync", lambda: replica_of(REPLICA_PORT, REDIS_PORT), 60, 0.2)
+    if master_port(sentinel) != REDIS_PORT:
+        raise CheckFailed(f"the Sentinels name port {master_port(sentinel)} the master, not {REDIS_PORT}")
+    stream = Stream(cluster)
+    stream.start()
+    wait_for("tokens of the stream", lambda: len(stream.pieces) >= 10 or not stream.is_alive(), 120, 0.05)
+    primary = containers("redis")[0]
+    restarts = inspect(primary)["RestartCount"]
+    pid = inspect(primary)["State"]["Pid"]
+    log(
+        f"kill -9 of the primary's redis-server {pid} (container {primary[:12]}),"
+        f" {len(stream.pieces)} tokens in"
+    )
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    switch_s = wait_for("the replica promoted", lambda: master_port(sentinel) == REPLICA_PORT, 120, 0.1)
+    log(f"the Sentinels promoted the replica {switch_s:.1f}s after the kill (down-after {DOWN_AFTER_S:g}s)")
+    stream.join(300)
+    if stream.error or stream.text != expected:
+        raise CheckFailed(f"the stream did not finish unchanged across the failover (error {stream.error!r})")
+    log(f"the stream finished unchanged {time.monotonic() - killed:.1f}s after the kill")
+    answer = chat(cluster, max_tokens=8)
+    if not expected.startswith(answer):
+        raise CheckFailed(f"a request after the failover came back changed: {answer!r}")
+    log(f"a new request was served {time.monotonic() - killed:.1f}s after the kill")
+    wait_for(
+        "the old primary restarted by its policy",
+        lambda: inspect(primary)["RestartCount"] > restarts and health(primary) == "healthy",
+        HEALTHY_TIMEOUT_S,
+        every=1,
+    )
+    rejoined_s = wait_for(
+        "the old primary a replica of the new master", lambda: replica_of(REDIS_PORT, REPLICA_PORT), 120, 0.5
+    )
+    log(f"the old primary came back as the new master's replica ({rejoined_s:.1f}s after its restart)")
+
+
 def check_down() -> None:
     compose("down", "-v", "--remove-orphans")
     left = containers(all_states=True)
@@ -367,7 +441,13 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--keep", action="store_true", help="leave the project running at the end")
+    parser.add_argument(
+        "--sentinel", action="store_true", help=f"Redis under Sentinel ({SENTINEL_FILE}): a failover"
+    )
     args = parser.parse_args()
+    services = SERVICES + (SENTINEL_SERVICES if args.sentinel else ())
+    if args.sentinel:
+        FILES.extend(["-f", SENTINEL_FILE])
     timings: dict[str, float] = {}
     started = time.monotonic()
     try:
@@ -386,18 +466,22 @@ def main() -> int:
                 compose("up", "-d")
                 wait_for(
                     "every service healthy",
-                    lambda: all_healthy(dict.fromkeys(SERVICES, 1)),
+                    lambda: all_healthy(dict.fromkeys(services, 1)),
                     HEALTHY_TIMEOUT_S,
                     every=2,
                 )
             with step("openai client: chat answer and stream", timings):
                 expected = check_serves(cluster)
-            with step("scale worker=2", timings):
-                check_scale(cluster)
-            with step("kill -9 of a worker mid-stream", timings):
-                check_kill(cluster, expected)
-            with step("stop worker: drain", timings):
-                check_drain(cluster, expected)
+            if args.sentinel:
+                with step("kill -9 of the Redis primary mid-stream: a failover", timings):
+                    check_failover(cluster, expected)
+            else:
+                with step("scale worker=2", timings):
+                    check_scale(cluster)
+                with step("kill -9 of a worker mid-stream", timings):
+                    check_kill(cluster, expected)
+                with step("stop worker: drain", timings):
+                    check_drain(cluster, expected)
         except BaseException:
             subprocess.run(
                 ["docker-compose", "-p", PROJECT, *FILES, "logs", "--tail", "40"], cwd=REPO, check=False

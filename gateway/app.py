@@ -32,7 +32,13 @@ from gateway.serving.models import ServedModel, ServedModels
 from gateway.serving.prepare import Prepared, prepare_chat
 from gateway.serving.prompt_batch import PromptBatch, prepare_prompts
 from gateway.serving.responses import ResponseFormat
-from gateway.serving.resume import check_cursor, load_request, parse_event_id
+from gateway.serving.resume import (
+    REQUEST_ID_HEADER,
+    check_cursor,
+    load_request,
+    parse_event_id,
+    parse_request_id,
+)
 from gateway.serving.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -114,10 +120,11 @@ class Gateway:
             return self._resume(chat=False, event=request.headers[RESUME_HEADER], stream=True)
         body = parse_body(CompletionRequest)
         model = self.models.get(body.model)
+        name = named_request()
         prepared = prepare_prompts(body, model.tokenizer, model.name)
         if len(prepared) == 1:
-            return self._generate(prepared[0], arrived)
-        return self._generate_batch(prepared, arrived)
+            return self._generate(prepared[0], arrived, name)
+        return self._generate_batch(prepared, arrived, name)
 
     def chat_completions(self) -> Response:
         arrived = time.monotonic()
@@ -125,7 +132,8 @@ class Gateway:
             return self._resume(chat=True, event=request.headers[RESUME_HEADER], stream=True)
         body = parse_body(ChatCompletionRequest)
         model = self.models.get(body.model)
-        return self._generate(prepare_chat(body, model.tokenizer, model.name), arrived)
+        name = named_request()
+        return self._generate(prepare_chat(body, model.tokenizer, model.name), arrived, name)
 
     def completion(self, request_id: str) -> Response:
         return self._retrieve(request_id, chat=False)
@@ -164,20 +172,26 @@ class Gateway:
             raise
         return self._respond(generation)
 
-    def _generate(self, prepared: Prepared, arrived: float) -> Response:
+    def _generate(self, prepared: Prepared, arrived: float, name: str | None = None) -> Response:
+        """Queue one request and answer it. Its client can resume it when it knows its id: a stream's is in
+        every event, and a client that named its request (name, from X-Request-Id) knows it already; the
+        request of a client that knows neither is aborted as soon as the client goes."""
         settings = self.settings
         model = prepared.request.model
         check_backpressure(self.registry, model, settings.max_queue_len, settings.heartbeat_ttl_s)
-        generation = self._generation(prepared, arrived)
+        if name is not None:
+            prepared.request.request_id = name
+        generation = self._generation(prepared, arrived, attach=prepared.stream or name is not None)
         try:
-            generation.submit(self.owner())
+            generation.submit(self.owner(), exclusive=name is not None)
         except BaseException:
             generation.close(reason=None)
             raise
         return self._respond(generation)
 
-    def _generate_batch(self, prepared: list[Prepared], arrived: float) -> Response:
-        """Several prompts: each queued as a request of its own (serving.prompt_batch), answered as one."""
+    def _generate_batch(self, prepared: list[Prepared], arrived: float, name: str | None = None) -> Response:
+        """Several prompts: each queued as a request of its own (serving.prompt_batch), answered as one; named
+        (X-Request-Id), prompt i's request is `<name>-<i>`."""
         settings = self.settings
         check_backpressure(
             self.registry,
@@ -186,6 +200,9 @@ class Gateway:
             settings.heartbeat_ttl_s,
             num_requests=len(prepared),
         )
+        if name is not None:
+            for i, one in enumerate(prepared):
+                one.request.request_id = f"{name}-{i}"
         batch = PromptBatch(self.redis, prepared, tick_s=self.limits.tick_s)
         try:
             for one in prepared:
@@ -193,7 +210,7 @@ class Gateway:
                 generation = self._generation(one, arrived, wakeup=batch.wakeup, attach=False)
                 model = self.models.of(one.request)
                 batch.add(generation, ResponseFormat(generation, model.tokenizer, model.name))
-            batch.submit(self.owner())
+            batch.submit(self.owner(), exclusive=name is not None)
         except BaseException:
             batch.close(reason=None)
             raise
@@ -325,6 +342,20 @@ class Gateway:
         return jsonify({"version": openapi.VERSION})
 
 
+def named_request() -> str | None:
+    """The id the client gave its request (X-Request-Id), or None."""
+    value = request.headers.get(REQUEST_ID_HEADER)
+    return None if value is None else parse_request_id(value)
+
+
+def echo_request_id(response: Response) -> Response:
+    """A request the client named answers with its name, as vLLM's server does."""
+    value = request.headers.get(REQUEST_ID_HEADER)
+    if value is not None:
+        response.headers[REQUEST_ID_HEADER] = value
+    return response
+
+
 def peer_closed(environ: dict[str, Any]) -> Callable[[], bool]:
     """Whether the client has closed its connection: it is readable and reading would give end-of-file.
 
@@ -385,6 +416,7 @@ def create_app(settings: GatewaySettings | None = None) -> Flask:
     app.before_request(cors.preflight)  # first: a browser's preflight carries no API key
     app.before_request(gateway.authenticate)
     app.after_request(ignored_fields_header)
+    app.after_request(echo_request_id)
     app.after_request(cors.add_headers)
     routes: list[tuple[str, Callable[..., Any], list[str]]] = [
         ("/v1/completions", gateway.completions, ["POST"]),

@@ -61,6 +61,7 @@ def _errors(*statuses: int) -> dict[str, Json]:
         400: "invalid request",
         401: "missing or wrong API key",
         404: "unknown model, file or batch",
+        409: "the X-Request-Id names a request that exists already",
         413: "body too large",
         415: "body is not JSON",
         500: "the generation failed",
@@ -79,6 +80,20 @@ _RESUME_HEADER = {
         "replayed from the request's record, then live; the body is not read"
     ),
     "schema": {"type": "string"},
+}
+
+
+_REQUEST_ID_HEADER = {
+    "name": "X-Request-Id",
+    "in": "header",
+    "required": False,
+    "description": (
+        "the request's id, chosen by the client (1 to 128 of `A-Z a-z 0-9 . _ ~ -`; a prompt batch's are "
+        "`<id>-<i>`): the response's `id`, and answered in the same header. A request named so is kept for the "
+        "resume grace when its client goes, and can be fetched again by its id; an unnamed non-streamed "
+        "request is aborted as soon as its client goes. 409 while a request of that id exists"
+    ),
+    "schema": {"type": "string", "pattern": "^[A-Za-z0-9._~-]{1,128}$"},
 }
 
 
@@ -102,7 +117,7 @@ def _post(
         "responses": {"200": {**ok, "headers": _IGNORED_FIELDS}, **_errors(*statuses)},
     }
     if resumable:
-        operation["parameters"] = [_RESUME_HEADER]
+        operation["parameters"] = [_RESUME_HEADER, _REQUEST_ID_HEADER]
     if secured:
         operation["security"] = [{"bearer": []}]
     return {"post": operation}
@@ -148,7 +163,7 @@ def _retrieve(summary: str, ok: Json) -> Json:
     return {"get": operation}
 
 
-_GENERATION_ERRORS = (400, 401, 404, 413, 415, 500, 503, 504)
+_GENERATION_ERRORS = (400, 401, 404, 409, 413, 415, 500, 503, 504)
 
 
 @cache

@@ -22,6 +22,7 @@ class ErrorCode(StrEnum):
     FILE_NOT_FOUND = "file_not_found"  # the Batch API's: no such file (or it was deleted)
     BATCH_NOT_FOUND = "batch_not_found"
     REQUEST_NOT_FOUND = "request_not_found"  # a stream to resume that does not exist (or is another key's)
+    REQUEST_ID_IN_USE = "request_id_in_use"  # X-Request-Id names a request that exists already
     INVALID_API_KEY = "invalid_api_key"
     NOT_FOUND = "not_found"  # no such endpoint
     METHOD_NOT_ALLOWED = "method_not_allowed"

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,6 +16,7 @@ from gateway.serving.attachments import Attachments
 from gateway.serving.event_hub import EventHub
 from gateway.serving.output import SampleOutput
 from gateway.serving.prepare import Prepared
+from gateway.serving.resume import request_id_in_use
 from gateway.serving.settings import ClientSettings
 from gateway.serving.token_receiver import GenerationError, SampleTokens, TokenReceiver
 from gateway.serving.tokenization import Tokenizer
@@ -176,22 +177,27 @@ class Generation:
         """When the request times out (time.monotonic())."""
         return self._deadline
 
-    def submit(self, owner: str = "", pipe: redis.client.Pipeline | None = None) -> None:
+    def submit(
+        self, owner: str = "", pipe: redis.client.Pipeline | None = None, *, exclusive: bool = False
+    ) -> None:
         """Queue the request, with the record of it a resumed stream reads (one MULTI; with pipe, the caller's
-        pipeline, which the caller executes), once its subscription is in place."""
+        pipeline, which the caller executes), once its subscription is in place. exclusive: as
+        queue_requests."""
+        if pipe is None:
+            queue_requests(self._client, [self], owner, exclusive=exclusive)
+            return
         self._receiver.confirm()
         self._owner = owner
-        own = pipe is None
-        if pipe is None:
-            pipe = self._client.pipeline(transaction=True)
         self._queue_on(pipe, self.request)
-        if own:
-            pipe.execute()
+
+    @property
+    def meta_key(self) -> str:
+        return self._keys.request_meta(self.request_id)
 
     def _queue_on(self, pipe: redis.client.Pipeline, request: GenerateRequest) -> None:
         """Queue on pipe: the record of the request a resumed stream reads, then the request itself."""
         meta = encode(self.prepared.meta(self._owner))
-        pipe.set(self._keys.request_meta(self.request_id), meta, ex=self._limits.request_ttl_s)
+        pipe.set(self.meta_key, meta, ex=self._limits.request_ttl_s)
         queue_request(pipe, self._keys.requests, request)
 
     def _resend(self) -> None:
@@ -367,3 +373,25 @@ class Generation:
             with contextlib.suppress(redis.RedisError):
                 attachments.detach(self.request_id, attachment)
         self._receiver.close()
+
+
+def queue_requests(
+    client: redis.Redis, generations: Sequence[Generation], owner: str, *, exclusive: bool = False
+) -> None:
+    """Queue the requests of generations at once (one MULTI): all of them or none. exclusive, for ids a client
+    chose: only if none of them names a request that exists (409 request_id_in_use otherwise, also when one
+    is created meanwhile)."""
+    with client.pipeline(transaction=True) as pipe:
+        if exclusive:
+            metas = [g.meta_key for g in generations]
+            pipe.watch(*metas)
+            if pipe.exists(*metas):
+                known = next(g.request_id for g in generations if pipe.exists(g.meta_key))
+                raise request_id_in_use(known)
+            pipe.multi()
+        for generation in generations:
+            generation.submit(owner, pipe)
+        try:
+            pipe.execute()
+        except redis.WatchError as e:
+            raise request_id_in_use(generations[0].request_id) from e

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from gateway.serving.errors import APIError
-from gateway.serving.generation import ClientDisconnected, Generation, GenerationTimeout
+from gateway.serving.generation import ClientDisconnected, Generation, GenerationTimeout, queue_requests
 from gateway.serving.output import SampleOutput
 from gateway.serving.prepare import Prepared, new_request_id, prepare_completion
 from gateway.serving.responses import ResponseFormat
@@ -62,12 +62,9 @@ class PromptBatch:
         self.generations.append(generation)
         self._formats.append(response_format)
 
-    def submit(self, owner: str) -> None:
-        """Queue every prompt's request at once (one MULTI): all of them or none."""
-        pipe = self._client.pipeline(transaction=True)
-        for generation in self.generations:
-            generation.submit(owner, pipe)
-        pipe.execute()
+    def submit(self, owner: str, *, exclusive: bool = False) -> None:
+        """Queue every prompt's request at once (one MULTI): all of them or none (queue_requests)."""
+        queue_requests(self._client, self.generations, owner, exclusive=exclusive)
 
     @property
     def done(self) -> bool:

@@ -5,6 +5,9 @@ how far the client is once it has the event: the number of the sample's tokens i
 sample's last chunk (its finish_reason) is sent, and two more for the usage chunk. A client that lost its
 connection sends that id back (`Last-Event-ID`, or `starting_after` on the GET routes) and gets the rest of
 the same generation: replayed from the token record, then live, for as long as the record lives.
+
+A client may name its request (X-Request-Id): the name is the request's id, so that a client that never saw
+the response can still fetch it, and its request is kept through the resume grace like a stream's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,27 @@ from shared.keys import Keys
 from shared.protocol import RequestMeta, decode
 
 _CURSOR = re.compile(r"\d{1,9}(,\d{1,9}){0,127}")
+REQUEST_ID_HEADER = "X-Request-Id"
+# No ':' (it ends the id in an event id), no braces (a hash tag in the request's keys), nothing a URL escapes.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
+
+
+def parse_request_id(value: str) -> str:
+    """The id a client gives its request; 400 when it cannot be one."""
+    if not _REQUEST_ID.fullmatch(value):
+        raise bad_request(
+            f"{REQUEST_ID_HEADER} must be 1 to 128 letters, digits, '.', '_', '~' or '-'",
+            param=REQUEST_ID_HEADER,
+        )
+    return value
+
+
+def request_id_in_use(request_id: str) -> APIError:
+    return APIError(
+        ErrorCode.REQUEST_ID_IN_USE,
+        f"a request with the id '{request_id}' exists already: fetch it, or name a new one",
+        param=REQUEST_ID_HEADER,
+    )
 
 
 def event_id(request_id: str, cursor: list[int]) -> str:

@@ -30,6 +30,7 @@ from tests.support.gateway_app import (
     data_of,
     event_ids,
     read_events,
+    run,
     sse_events,
     wait_for,
 )
@@ -142,3 +143,46 @@ def test_only_the_key_that_made_a_request_resumes_it(make_app, r, keys, tok) -> 
     assert_openai_error(client.post(CMPL, headers={**k1, "Last-Event-ID": f"{rid}:x"}), 400)
     assert_openai_error(client.post(CMPL, headers={**k1, "Last-Event-ID": f"{rid}:1,2"}), 400)  # n is 1
     assert_openai_error(client.get(f"{CMPL}/nothing-{uuid.uuid4().hex}", headers=k1), 404)
+
+
+@pytest.mark.usefixtures("worker")
+def test_a_request_the_client_names_has_that_id_once_and_can_be_fetched_by_it(make_app, r, keys, tok) -> None:
+    client = make_app().test_client()
+    ids = tok.encode(" named and found")
+    name = f"job-{uuid.uuid4().hex[:8]}.1"
+    response, request = run(client, r, keys, CHAT, {"messages": USER}, ids, headers={"X-Request-Id": name})
+    assert response.status_code == 200, response.get_data(as_text=True)
+    assert request is not None and request.request_id == name
+    assert response.get_json()["id"] == name and response.headers["X-Request-Id"] == name
+    fetched = client.get(f"{CHAT}/{name}")
+    assert fetched.status_code == 200
+    assert fetched.get_json()["choices"] == response.get_json()["choices"]
+    # The name is taken while its record lives: the same name again is refused, and nothing is queued.
+    again = client.post(CHAT, json={"messages": USER}, headers={"X-Request-Id": name})
+    error = assert_openai_error(again, 409)
+    assert (error["code"], error["param"]) == ("request_id_in_use", "X-Request-Id")
+    assert r.xlen(keys.requests) == 1
+
+
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize("name", ["", "a:1", "{slot}", "a/b", "x" * 129, "sp ace"])
+def test_a_request_id_that_cannot_be_one_is_a_400_naming_the_header(make_app, r, keys, name: str) -> None:
+    client = make_app().test_client()
+    r.delete(keys.requests)
+    response = client.post(CHAT, json={"messages": USER}, headers={"X-Request-Id": name})
+    assert assert_openai_error(response, 400)["param"] == "X-Request-Id"
+    assert r.xlen(keys.requests) == 0
+
+
+@pytest.mark.usefixtures("worker")
+def test_the_prompts_of_a_named_batch_are_named_after_it(make_app, r, keys, tok) -> None:
+    client = make_app().test_client()
+    name = f"batch-{uuid.uuid4().hex[:8]}"
+    body = {"prompt": ["one", "two"]}
+    headers = {"X-Request-Id": name}
+    response, _ = run(client, r, keys, CMPL, body, tok.encode(" x"), headers=headers, count=2)
+    assert response.status_code == 200, response.get_data(as_text=True)
+    queued_ids = sorted(read_request(fields).request_id for _, fields in r.xrange(keys.requests))
+    assert queued_ids == [f"{name}-0", f"{name}-1"]
+    again = client.post(CMPL, json=body, headers=headers)
+    assert assert_openai_error(again, 409)["code"] == "request_id_in_use"

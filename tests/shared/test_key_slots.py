@@ -96,11 +96,10 @@ SITES: dict[str, Site | None] = {
         lambda k: [[k.request_meta(R), k.tokens(R, 0), k.tokens(R, 1), k.requests]], "request_meta", "tokens"
     ),
     "gateway/serving/generation.py:Generation.abort": multi(lambda k: [[k.abort_flag(R)]], "abort_flag"),
-    "gateway/serving/generation.py:Generation.submit": multi(
-        lambda k: [[k.request_meta(R), k.requests]], "request_meta", "requests"
-    ),
-    "gateway/serving/prompt_batch.py:PromptBatch.submit": multi(
-        lambda k: [[k.request_meta(R), k.request_meta(R2), k.requests]], "request_meta", "requests"
+    "gateway/serving/generation.py:queue_requests": multi(  # one request or a prompt batch, WATCHed if named
+        lambda k: [[k.request_meta(R), k.requests], [k.request_meta(R), k.request_meta(R2), k.requests]],
+        "request_meta",
+        "requests",
     ),
     "gpu_worker/kv_publisher.py:KVPublisher.publish": multi(
         lambda k: [[k.kv_blocks(W), k.kv_events(W)]], "kv_events"
@@ -142,8 +141,7 @@ SITES: dict[str, Site | None] = {
 # idempotent writes (their files' owner is on it): remove an entry once its site is fixed (the inventory test
 # says when). Nothing else may cross.
 ALLOWED: dict[str, str] = {
-    "gateway/serving/generation.py:Generation.submit": "the request's record and its requests-stream entry",
-    "gateway/serving/prompt_batch.py:PromptBatch.submit": "every prompt's record and entry, all or none",
+    "gateway/serving/generation.py:queue_requests": "each request's record and stream entry, all or none",
     "gateway/serving/generation.py:Generation._resend": "the request's record, tokens and entry again",
 }
 
@@ -327,10 +325,12 @@ class Recording:
         if sort != site.kind:
             return False
         kinds = self.kinds_of(group)
-        calls = site.calls(keys)
-        several = max(self.num_requests(call) for call in calls) > 1
-        fits = any(kinds <= {self.kinds.kind(key) for key in call} for call in calls)
-        return fits and site.marks <= kinds and (self.num_requests(group.keys) > 1) == several
+        several = self.num_requests(group.keys) > 1
+        fits = any(
+            kinds <= {self.kinds.kind(key) for key in call} and (self.num_requests(call) > 1) == several
+            for call in site.calls(keys)
+        )
+        return fits and site.marks <= kinds
 
 
 def test_a_workload_of_the_services_keeps_every_group_of_keys_on_one_slot(

@@ -272,12 +272,22 @@ def read_events(body: Iterator[bytes], count: int) -> list[str]:
     return events
 
 
-def run(client: FlaskClient, r: redis.Redis, keys: Keys, path: str, body: dict[str, Any], tokens: list[int]):
-    """Send body and have a worker answer it with tokens: the response and the request the worker got."""
+def run(
+    client: FlaskClient,
+    r: redis.Redis,
+    keys: Keys,
+    path: str,
+    body: dict[str, Any],
+    tokens: list[int],
+    headers: dict[str, str] | None = None,
+    count: int = 1,
+):
+    """Send body and have a worker answer it (count requests: a prompt batch's) with tokens: the response and
+    the first request the worker got."""
     r.delete(keys.requests)  # the worker reads the stream from its start: only this request is on it
-    fake = FakeWorker(r, keys, answer_with(r, keys, tokens))
+    fake = FakeWorker(r, keys, answer_with(r, keys, tokens), count=count)
     fake.start()
-    response = client.post(path, json=body)
+    response = client.post(path, json=body, headers=headers)
     fake.join(10)
     assert fake.error is None
     return response, (fake.requests[0] if fake.requests else None)
