@@ -15,10 +15,10 @@ containers, in order:
      error, and every worker exits by itself (status 0) within its grace period;
   6. `down` leaves no container of the project.
 With --sentinel, Redis runs as a primary, a replica and three Sentinels (docker-compose.sentinel-cpu.yml) and
-the checks are: every service healthy; the client's chat answer and stream; the primary's process killed -9
-mid-stream: the Sentinels promote the replica, the stream finishes with the text of an uninterrupted run and a
-new request is served, and the old primary, restarted by its policy, comes back as the new master's replica;
-`down`.
+the checks are: every service healthy; the client's chat answer and stream; the primary's container killed
+mid-stream and left down (a lost host): the Sentinels promote the replica, the stream finishes with the text
+of an uninterrupted run and a new request is served; the old primary, started again, comes back as the new
+master's replica; `down`.
 It prints how long each step took and the images' sizes, and exits non-zero at the first check that fails.
 A Docker daemon is started (vfs storage, no bridge) when none answers. --keep leaves the project up.
 """
@@ -399,14 +399,11 @@ def check_failover(cluster: Cluster, expected: str) -> None:
     stream.start()
     wait_for("tokens of the stream", lambda: len(stream.pieces) >= 10 or not stream.is_alive(), 120, 0.05)
     primary = containers("redis")[0]
-    restarts = inspect(primary)["RestartCount"]
-    pid = inspect(primary)["State"]["Pid"]
-    log(
-        f"kill -9 of the primary's redis-server {pid} (container {primary[:12]}),"
-        f" {len(stream.pieces)} tokens in"
-    )
+    # A lost host: the container killed (SIGKILL) and left down. A process that dies alone is restarted by
+    # its policy within a second or two, too soon for the Sentinels (down-after 5 s) to fail it over.
+    log(f"docker kill of the primary (container {primary[:12]}), {len(stream.pieces)} tokens in")
     killed = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
+    run("docker", "kill", primary, capture=True)
     switch_s = wait_for("the replica promoted", lambda: master_port(sentinel) == REPLICA_PORT, 120, 0.1)
     log(f"the Sentinels promoted the replica {switch_s:.1f}s after the kill (down-after {DOWN_AFTER_S:g}s)")
     stream.join(300)
@@ -417,16 +414,13 @@ def check_failover(cluster: Cluster, expected: str) -> None:
     if not expected.startswith(answer):
         raise CheckFailed(f"a request after the failover came back changed: {answer!r}")
     log(f"a new request was served {time.monotonic() - killed:.1f}s after the kill")
-    wait_for(
-        "the old primary restarted by its policy",
-        lambda: inspect(primary)["RestartCount"] > restarts and health(primary) == "healthy",
-        HEALTHY_TIMEOUT_S,
-        every=1,
-    )
+    run("docker", "start", primary, capture=True)  # the host is back: its Redis starts as a primary
     rejoined_s = wait_for(
         "the old primary a replica of the new master", lambda: replica_of(REDIS_PORT, REPLICA_PORT), 120, 0.5
     )
-    log(f"the old primary came back as the new master's replica ({rejoined_s:.1f}s after its restart)")
+    log(f"the old primary came back as the new master's replica ({rejoined_s:.1f}s after its start)")
+    if master_port(sentinel) != REPLICA_PORT:
+        raise CheckFailed("the Sentinels went back to the old primary")
 
 
 def check_down() -> None:

@@ -88,10 +88,10 @@ _REQUEST_ID_HEADER = {
     "in": "header",
     "required": False,
     "description": (
-        "the request's id, chosen by the client (1 to 128 of `A-Z a-z 0-9 . _ ~ -`; a prompt batch's are "
-        "`<id>-<i>`): the response's `id`, and answered in the same header. A request named so is kept for the "
-        "resume grace when its client goes, and can be fetched again by its id; an unnamed non-streamed "
-        "request is aborted as soon as its client goes. 409 while a request of that id exists"
+        "the request's id, chosen by the client (1 to 128 of `A-Z a-z 0-9 . _ ~ -`; a prompt batch's "
+        "are `<id>-<i>`): the response's `id`, and answered in the same header. A request named so is kept "
+        "for the resume grace when its client goes, and can be fetched again by its id; an unnamed "
+        "non-streamed request is aborted as soon as its client goes. 409 while a request of that id exists"
     ),
     "schema": {"type": "string", "pattern": "^[A-Za-z0-9._~-]{1,128}$"},
 }

@@ -74,6 +74,7 @@ class RequestMeta(WireModel):
     continuous_usage_stats: bool = False
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    tool_calls: bool = False  # the answer's calls are read out of its text (gateway.serving.tools)
 
 
 class Assignment(WireModel):

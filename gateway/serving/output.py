@@ -75,6 +75,11 @@ class SampleOutput:
         return self.num_tokens + int(self._finish_sent)
 
     @property
+    def sent_text(self) -> str:
+        """The text taken so far: what the client has."""
+        return self.text[: self._sent_chars]
+
+    @property
     def sent_nothing(self) -> bool:
         """Nothing of the sample has been taken yet: its client has had none of it."""
         return self._sent_chars == 0 and self._sent_logprobs == 0 and not self._finish_sent

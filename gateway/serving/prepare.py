@@ -2,19 +2,40 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
+import jsonschema
 import pydantic
 from pydantic import Field
 
 from gateway.serving.errors import bad_request, from_validation_error
-from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody, conversation
+from gateway.serving.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    MessageToolCall,
+    NamedToolChoice,
+    SamplingBody,
+    conversation,
+)
 from gateway.serving.structured_params import StructuredError
 from gateway.serving.tokenization import Tokenizer
+from gateway.serving.tools import (
+    EMPTY_PARAMETERS,
+    Tool,
+    call_text,
+    grammar,
+    response_text,
+    tools_section,
+)
 from shared.errors import ErrorCode
 from shared.protocol import GenerateRequest, RequestMeta
 from shared.sampling import SamplingSpec, StructuredSpec, options_of
+from shared.structured import grammar_error
 
 
 class Prepared(RequestMeta):
@@ -76,8 +97,132 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, model: str
     )
 
 
+@dataclass(frozen=True)
+class ToolCalling:
+    """A request's tools, and how it lets the model call them: choice none, auto, required or a function's
+    name; parallel: more than one call."""
+
+    tools: list[Tool]
+    choice: str
+    parallel: bool
+
+    @property
+    def calls(self) -> bool:
+        return self.choice != "none"
+
+
+def tool_calling(body: ChatCompletionRequest) -> ToolCalling | None:
+    """The tools asked for (None: none), checked: 400 naming the parameter at fault."""
+    named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+    tools = body.tools or []
+    choice = named or str(body.tool_choice or ("auto" if tools else "none"))
+    if not tools:
+        if choice != "none":
+            raise bad_request(f"tool_choice {choice!r} needs tools to call", param="tool_choice")
+        return None
+    names = [t.function.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise bad_request(f"tools name a function more than once: {', '.join(twice)}", param="tools")
+    if named is not None and named not in names:
+        raise bad_request(
+            f"tool_choice names the function {named!r}, which is not in tools", param="tool_choice"
+        )
+    checked = []
+    for i, tool in enumerate(tools):
+        function = tool.function
+        parameters = function.parameters if function.parameters is not None else dict(EMPTY_PARAMETERS)
+        param = f"tools[{i}].function.parameters"
+        try:
+            jsonschema.validators.validator_for(parameters).check_schema(parameters)
+        except jsonschema.SchemaError as e:
+            raise bad_request(f"{param} is not a valid JSON Schema: {e.message}", param=param) from e
+        if parameters.get("type") != "object":
+            raise bad_request(f"{param} must be the JSON Schema of an object", param=param)
+        checked.append(Tool(function.name, function.description, parameters))
+    return ToolCalling(checked, choice, body.parallel_tool_calls)
+
+
+def _tool_grammar(calling: ToolCalling, body: ChatCompletionRequest) -> StructuredSpec:
+    if body.structured() is not None:
+        raise bad_request(
+            "a structured output cannot be combined with tool calls (set tool_choice to none)",
+            param="response_format",
+        )
+    spec = StructuredSpec(kind="grammar", value=grammar(calling.tools, calling.choice, calling.parallel))
+    error = grammar_error(spec)
+    if error is not None:  # a schema llguidance cannot compile
+        raise bad_request(f"the tools' schemas cannot be followed: {error}", param="tools")
+    return spec
+
+
+def chat_turns(
+    body: ChatCompletionRequest, calling: ToolCalling | None, native: bool
+) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them. Earlier calls and tools' results are written in the
+    tool-call format (serving.tools), unless the template writes them itself (native); so are the tools,
+    in the system message."""
+    if native:
+        return [_native_turn(i, m) for i, m in enumerate(body.messages)]
+    turns: list[dict[str, Any]] = []
+    results = False  # the last turn holds tools' results
+    for i, (message, turn) in enumerate(zip(body.messages, conversation(body.messages))):
+        if message.tool_calls:
+            calls = [
+                call_text(c.function.name, _arguments(i, j, c)) for j, c in enumerate(message.tool_calls)
+            ]
+            turn["content"] = "\n".join([turn["content"], *calls] if turn["content"] else calls)
+        if message.role == "tool":
+            content = response_text(turn["content"])
+            if results:  # the results of one turn's calls go together
+                turns[-1]["content"] += "\n" + content
+                continue
+            turn = {"role": "user", "content": content}
+        results = message.role == "tool"
+        turns.append(turn)
+    if calling is not None:
+        section = tools_section(calling.tools)
+        if turns and turns[0]["role"] == "system":
+            turns[0]["content"] = f"{turns[0]['content']}\n\n{section}"
+        else:
+            turns.insert(0, {"role": "system", "content": section})
+    return turns
+
+
+def _native_turn(i: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as Hugging Face's tool-calling templates take it (arguments as an object)."""
+    turn: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
+    turn["content"] = message.text()
+    if message.name is not None:
+        turn["name"] = message.name
+    if message.tool_calls:
+        turn["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _arguments(i, j, c)},
+            }
+            for j, c in enumerate(message.tool_calls)
+        ]
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
+
+
+def _arguments(i: int, j: int, call: MessageToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError as e:
+        param = f"messages[{i}].tool_calls[{j}].function.arguments"
+        raise bad_request(f"{param} is not JSON: {e}", param=param) from e
+
+
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, model: str = "") -> Prepared:
-    prompt_ids = tokenizer.encode_chat(conversation(body.messages), **body.template_options())
+    calling = tool_calling(body)
+    native = calling is not None and tokenizer.writes_tool_calls
+    tools = [t.signature() for t in calling.tools] if calling is not None and native else None
+    turns = chat_turns(body, calling, native)
+    prompt_ids = tokenizer.encode_chat(turns, **body.template_options(), tools=tools)
     if not prompt_ids:
         raise bad_request("the messages make an empty prompt", param="messages")
     prompt_ids = _truncate(prompt_ids, body.truncate_prompt_tokens, tokenizer)
@@ -85,10 +230,14 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, model: str =
     echo = body.echo and body.messages[-1].role == "assistant"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    sampling = _sampling(body, max_tokens, logprobs, _prompt_logprobs(body), len(prompt_ids), tokenizer)
+    structured = _tool_grammar(calling, body) if calling is not None and calling.calls else None
+    sampling = _sampling(
+        body, max_tokens, logprobs, _prompt_logprobs(body), len(prompt_ids), tokenizer, structured
+    )
     return Prepared(
         request=_request("chatcmpl", prompt_ids, sampling, body.priority, model),
         chat=True,
+        tool_calls=calling is not None and calling.calls,
         stop=body.stop_strings,
         prompt_text=body.messages[-1].text() if echo else "",
         echo=echo,
@@ -131,7 +280,9 @@ def _sampling(
     prompt_logprobs: int | None,
     num_prompt_tokens: int,
     tokenizer: Tokenizer,
+    structured: StructuredSpec | None = None,
 ) -> SamplingSpec:
+    """structured: the request's grammar when it is not the body's own structured output (tool calls)."""
     limit = tokenizer.max_model_len
     if num_prompt_tokens >= limit:
         raise bad_request(
@@ -156,7 +307,9 @@ def _sampling(
         tokenizer.check_ids(body.allowed_token_ids, "allowed_token_ids")
     options = {**options_of(body), "prompt_logprobs": prompt_logprobs}
     try:
-        return SamplingSpec(**options, max_tokens=max_tokens, logprobs=logprobs, structured=_structured(body))
+        return SamplingSpec(
+            **options, max_tokens=max_tokens, logprobs=logprobs, structured=structured or _structured(body)
+        )
     except pydantic.ValidationError as e:  # options that cannot be served together (shared.sampling)
         raise from_validation_error(e) from e
 

@@ -8,6 +8,7 @@ from typing import Any
 from gateway.serving.generation import Generation
 from gateway.serving.output import LogprobEntry, SampleOutput
 from gateway.serving.tokenization import Tokenizer
+from gateway.serving.tools import Call, ToolView, call_id, read_calls
 
 # OpenAI's stand-in for a log-probability too small to write down (JSON has no -Infinity).
 _LOGPROB_FLOOR = -9999.0
@@ -63,6 +64,7 @@ class ResponseFormat:
             {s.index for s in generation.samples if s.sent_nothing} if self._echo_first else set()
         )
         self._prompt_offsets: list[int] | None = None
+        self._tool_calls = prepared.tool_calls
         self._head = {
             "id": generation.request_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -81,14 +83,21 @@ class ResponseFormat:
             if prepared.want_logprobs:
                 logprobs = self._logprobs(sample.logprobs, sample if prepared.echo else None)
             choice: Json = {"index": sample.index}
-            if self._chat:
+            finish_reason = sample.finish_reason
+            if self._tool_calls:
+                view = read_calls(sample.text, final=True)
+                choice["message"] = {"role": "assistant", "content": view.content or None}
+                if view.calls:
+                    choice["message"]["tool_calls"] = [
+                        self._call(sample.index, k, call) for k, call in enumerate(view.calls)
+                    ]
+                finish_reason = self._finish_reason(finish_reason, view)
+            elif self._chat:
                 echoed = prepared.prompt_text if prepared.echo else ""  # the assistant message it continues
                 choice["message"] = {"role": "assistant", "content": echoed + sample.text}
             else:
                 choice["text"] = (prepared.prompt_text if prepared.echo else "") + sample.text
-            choice.update(
-                logprobs=logprobs, finish_reason=sample.finish_reason, stop_reason=sample.stop_reason
-            )
+            choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=sample.stop_reason)
             if not self._chat:
                 choice["prompt_logprobs"] = self._prompt_logprobs(sample)
             choices.append(choice)
@@ -116,6 +125,8 @@ class ResponseFormat:
     def sample_chunks(self, sample: SampleOutput) -> list[tuple[Json, list[int]]]:
         """What changed in a sample since its last chunk: new text (and logprobs), and its end with its last
         text, as vLLM streams it; with the cursor a client has reached once it has it (see serving.resume)."""
+        if self._tool_calls:
+            return self._tool_chunks(sample)
         text, entries = sample.take()
         reason = sample.take_finish()
         prepared = self._generation.prepared
@@ -136,6 +147,44 @@ class ResponseFormat:
             content = {"content": text} if news else {}
         stop_reason = sample.stop_reason if reason is not None else None
         return [(self._chunk(sample.index, content, logprobs, reason, stop_reason), self.cursor())]
+
+    def _tool_chunks(self, sample: SampleOutput) -> list[tuple[Json, list[int]]]:
+        """sample_chunks for an answer that may call tools: the content and the calls (id and name first,
+        then the arguments piece by piece) as the text shows them, the differences of its successive views
+        (serving.tools.read_calls); so a resumed stream goes on from what its client had."""
+        before = read_calls(sample.sent_text, final=False)
+        _, entries = sample.take()
+        reason = sample.take_finish()
+        after = read_calls(sample.sent_text, final=sample.finished)
+        delta: Json = {}
+        if len(after.content) > len(before.content):
+            delta["content"] = after.content[len(before.content) :]
+        calls = []
+        for k, call in enumerate(after.calls):
+            if k >= len(before.calls):
+                calls.append({"index": k, **self._call(sample.index, k, call)})
+            elif len(call.arguments) > len(before.calls[k].arguments):
+                fragment = call.arguments[len(before.calls[k].arguments) :]
+                calls.append({"index": k, "function": {"arguments": fragment}})
+        if calls:
+            delta["tool_calls"] = calls
+        logprobs = self._logprobs(entries) if entries and self._generation.prepared.want_logprobs else None
+        if not delta and logprobs is None and reason is None:
+            return []
+        if reason is not None:
+            reason = self._finish_reason(reason, after)
+        stop_reason = sample.stop_reason if reason is not None else None
+        return [(self._chunk(sample.index, delta, logprobs, reason, stop_reason), self.cursor())]
+
+    def _call(self, sample: int, k: int, call: Call) -> Json:
+        request_id = self._generation.request_id
+        function = {"name": call.name, "arguments": call.arguments}
+        return {"id": call_id(request_id, sample, k), "type": "function", "function": function}
+
+    @staticmethod
+    def _finish_reason(reason: str | None, view: ToolView) -> str | None:
+        """tool_calls for an answer that ended with its calls complete (the grammar's end), as OpenAI's."""
+        return "tool_calls" if reason == "stop" and view.called else reason
 
     def cursor(self) -> list[int]:
         return [s.position for s in self._generation.samples]

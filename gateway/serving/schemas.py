@@ -12,9 +12,11 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from gateway.serving.body_model import Body
 from gateway.serving.structured_params import OutputControlBody
+from gateway.serving.tools import NAME_PATTERN
 from shared.sampling import MaxTokens, NumLogprobs, SamplingOptions
 
 MAX_PROMPTS = 64  # prompts in one completions request; each is a request of its own to the scheduler
+MAX_TOOLS = 128  # functions in one request (OpenAI's limit)
 _TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
@@ -34,19 +36,78 @@ class TextPart(Body):
     text: str
 
 
+class CalledFunction(Body):
+    """The function an assistant's earlier turn called, and its arguments (a JSON object, as text)."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(Body):
+    """A call an assistant's earlier turn made."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Body):
     """One turn of a conversation."""
 
     role: Annotated[str, Field(min_length=1)] = Field(
-        description="system, developer, user or assistant, or any other role the chat template knows (vLLM)"
+        description="system, developer, user, assistant or tool, or any other role the chat template knows "
+        "(vLLM)"
     )
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = Field(
+        None, description="required, but for an assistant's turn that made tool_calls"
+    )
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, description="an assistant's turn: the calls it made"
+    )
+    tool_call_id: str | None = Field(None, description="a tool's turn: the call it answers")
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant's message with tool_calls may omit it)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+
+class FunctionDefinition(Body):
+    """A function the model may call: its parameters are a JSON Schema of one object."""
+
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema (none: no parameters)")
+    strict: bool | None = Field(
+        None, description="the arguments always follow the schema here, strict or not"
+    )
+
+
+class ChatTool(Body):
+    type: Literal["function"] = Field(description="only function tools are served")
+    function: FunctionDefinition
+
+
+class ChosenFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    """tool_choice naming the one function to call."""
+
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class SamplingBody(OutputControlBody, SamplingOptions):
@@ -196,14 +257,13 @@ class ChatCompletionRequest(SamplingBody, ChatTemplateBody):
     echo: bool = Field(
         False, description="when the final message is the assistant's, the response starts with its content"
     )
-    tools: list[dict[str, Any]] | None = Field(None, description="tool calling is not served: none or []")
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise ValueError("tools (function calling) are not supported by this server")
-        return value
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description=f"functions the model may call, at most {MAX_TOOLS}"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or the function to call"
+    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -59,17 +59,24 @@ class Tokenizer:
         """A completion prompt as it is (as the offline API tokenizes it): no special tokens unless asked."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    @property
+    def writes_tool_calls(self) -> bool:
+        """The chat template renders `tools` itself, in the tool-call format served here (serving.tools)."""
+        template = self.hf.chat_template
+        return isinstance(template, str) and "tools" in template and "<tool_call>" in template
+
     def encode_chat(
         self,
-        conversation: list[dict[str, str]],
+        conversation: list[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """The chat template applied to a conversation, then tokenized (the template writes its own special
-        tokens, so none are added unless asked)."""
+        """The chat template applied to a conversation (with tools: for a template that writes_tool_calls),
+        then tokenized (the template writes its own special tokens, so none are added unless asked)."""
         template_kwargs = template_kwargs or {}
         reserved = sorted(set(template_kwargs) & self._template_parameters)
         if reserved:
@@ -83,6 +90,7 @@ class Tokenizer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools or None,
                 **template_kwargs,
             )
         except Exception as e:  # the template itself refuses the conversation (e.g. roles out of order)

@@ -281,11 +281,12 @@ def run(
     tokens: list[int],
     headers: dict[str, str] | None = None,
     count: int = 1,
+    finish: str = "length",
 ):
     """Send body and have a worker answer it (count requests: a prompt batch's) with tokens: the response and
     the first request the worker got."""
     r.delete(keys.requests)  # the worker reads the stream from its start: only this request is on it
-    fake = FakeWorker(r, keys, answer_with(r, keys, tokens), count=count)
+    fake = FakeWorker(r, keys, answer_with(r, keys, tokens, finish), count=count)
     fake.start()
     response = client.post(path, json=body, headers=headers)
     fake.join(10)
