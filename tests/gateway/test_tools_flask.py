@@ -10,9 +10,11 @@ import threading
 import time
 from typing import Any
 
+import llguidance
+import llguidance.hf
 import pytest
 
-from gateway.serving.tools import read_calls
+from gateway.serving.tools import Tool, grammar, read_calls
 from tests.support.gateway_app import (
     CHAT,
     USER,
@@ -178,3 +180,36 @@ def test_each_view_of_a_growing_answer_extends_the_one_before() -> None:
     final = views[-1]
     assert final.content == "Sure." and final.called
     assert [c.arguments for c in final.calls] == ['{"city": "Paris", "unit": "c"}', "{}"]
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel", "text", "accepted"),
+    [
+        ("auto", True, "It is sunny, and a < b.", True),
+        ("auto", True, "Let me look.\n" + CALL, True),
+        ("auto", True, CALL + "\n" + SECOND, True),
+        ("auto", False, CALL + "\n" + SECOND, False),  # one call at most
+        ("auto", True, CALL + " and then some text", False),  # nothing after the calls
+        ("auto", True, 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"town": "x"}}', False),
+        ("auto", True, '<tool_call>\n{"name": "unknown", "arguments": {}}', False),
+        ("required", True, "It is sunny.", False),
+        ("required", True, SECOND, True),
+        ("get_time", True, CALL, False),
+        ("get_time", True, SECOND, True),
+        (
+            "auto",
+            True,
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}',
+            False,
+        ),  # layout
+    ],
+)
+def test_the_grammar_holds_the_answer_to_the_format_and_the_schemas(
+    tok, choice: str, parallel: bool, text: str, accepted: bool
+) -> None:
+    tools = [Tool("get_weather", None, WEATHER["function"]["parameters"]), Tool("get_time")]
+    ll = llguidance.hf.from_tokenizer(tok.hf, n_vocab=tok.vocab_size, eos_token=tok.hf.eos_token_id)
+    matcher = llguidance.LLMatcher(ll, grammar(tools, choice, parallel), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    taken = matcher.consume_tokens(tok.encode(text))
+    assert (taken and matcher.is_accepting()) == accepted, matcher.get_error()
