@@ -82,7 +82,11 @@ def from_validation_error(error: pydantic.ValidationError) -> APIError:
     first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
     # A validator's own error may name the parameter at fault (shared.sampling's SamplingProblem does: a
     # combination is refused by the model, whose location names no field).
-    param = getattr(first.get("ctx", {}).get("error"), "param", None) or _param_path(first["loc"])
+    # A model's validator may name its own field at fault (FieldProblem): the path goes on to it.
+    problem = first.get("ctx", {}).get("error")
+    field = getattr(problem, "field", None)
+    loc = (*first["loc"], field) if field else first["loc"]
+    param = getattr(problem, "param", None) or _param_path(loc)
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message = f"unknown parameter '{param}'"
@@ -91,6 +95,14 @@ def from_validation_error(error: pydantic.ValidationError) -> APIError:
     elif param and first["type"] != "value_error":  # the gateway's own messages name what they check
         message = f"{param}: {message}"
     return bad_request(message, param=param or None)
+
+
+class FieldProblem(ValueError):
+    """A model validator's refusal of one of its own fields (the error's path goes on to the field)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _param_path(loc: tuple[int | str, ...]) -> str:

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from gateway.serving.body_model import Body
+from gateway.serving.errors import FieldProblem
 from gateway.serving.structured_params import OutputControlBody
 from gateway.serving.tools import NAME_PATTERN
 from shared.sampling import MaxTokens, NumLogprobs, SamplingOptions
@@ -70,9 +71,11 @@ class ChatMessage(Body):
     @model_validator(mode="after")
     def _content_or_calls(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (only an assistant's message with tool_calls may omit it)")
+            raise FieldProblem(
+                "content is required (only an assistant's message with tool_calls may omit it)", "content"
+            )
         if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+            raise FieldProblem("a tool message needs the tool_call_id of the call it answers", "tool_call_id")
         return self
 
     def text(self) -> str:

@@ -407,8 +407,3 @@ def test_logit_bias_every_bad_key_is_named(client: openai.OpenAI) -> None:
 @pytest.mark.skip(reason="LoRA adapters are not served (one base model per server)")
 def test_lora_model_names() -> None:
     """vLLM runs most chat cases a second time against a `zephyr-lora` adapter."""
-
-
-@pytest.mark.skip(reason="tools / function calling are not supported (text-only chat)")
-def test_tool_choice() -> None:
-    """vLLM's test_completion_with_function_calling.py and tokenize-with-tools cases."""

@@ -209,7 +209,6 @@ def test_chat_template_options_shape_the_prompt(client, r, keys, tok) -> None:
         ({"messages": USER, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
         ({"messages": USER, "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
         ({"messages": USER, "echo": "yes"}, "echo"),
-        ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ],
 )
 def test_bad_chat_template_options(client, r, keys, body, param) -> None:

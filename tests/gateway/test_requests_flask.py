@@ -90,7 +90,8 @@ BAD_BODIES = [
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CHAT, {"messages": USER, "max_tokens": 10**9}, "max_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, "messages"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools[0].function"),
+    (CHAT, {"messages": [{"role": "tool", "content": "4"}]}, "messages[0].tool_call_id"),
     (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     (CMPL, {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
 ]
