@@ -9,7 +9,9 @@ master's; `?sentinel_password=` gives the Sentinels' own). A Sentinel client ask
 master whenever it opens a connection, so after a failover every new connection goes to the new master. A
 connection that finds its server is no longer the master fails as a connection error (so the caller's usual
 retry runs, on a new connection): READONLY (a demoted master refusing a write), UNBLOCKED (a blocking read
-cut short by the demotion), NOREPLICAS and MASTERDOWN.
+cut short by the demotion), NOREPLICAS and MASTERDOWN. And the client follows the Sentinels' switches of its
+master (shared.failover_watch): when one is announced, every connection to the old master is cut, so nothing
+goes on writing to a master that froze and woke.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import redis
 import redis.sentinel
+
+from shared.failover_watch import FailoverWatch
 
 CONNECT_TIMEOUT_S = 5.0
 # Longer than any blocking read a service issues (those wait well under a second), so it only fires when a
@@ -123,9 +127,14 @@ def _sentinel_client(url: str, max_connections: int | None, settings: dict[str, 
         "connection_class": _MasterConnection,
     }
     if max_connections is None:
-        return sentinel.master_for(parsed.master, **options)
-    pool_options = {**options, "max_connections": max_connections, "timeout": READ_TIMEOUT_S}
-    return sentinel.master_for(parsed.master, connection_pool_class=_BlockingSentinelPool, **pool_options)
+        client = sentinel.master_for(parsed.master, **options)
+    else:
+        pool = {"connection_pool_class": _BlockingSentinelPool, "max_connections": max_connections}
+        client = sentinel.master_for(parsed.master, **pool, **options, timeout=READ_TIMEOUT_S)
+    client.failover_watch = FailoverWatch(  # type: ignore[attr-defined]
+        client.connection_pool, parsed.master, parsed.sentinels, sentinel_kwargs
+    ).start()
+    return client
 
 
 def connect(url: str, max_connections: int | None = None, **options: Any) -> redis.Redis:

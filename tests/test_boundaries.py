@@ -286,6 +286,11 @@ def test_a_service_installs_from_its_extra_without_torch(extra: str, module: str
     )
     helped = run([python, "-m", module, "--help"], cwd=tmp_path)  # the installed package, not the checkout
     assert helped.returncode == 0 and "[env REDIS_URL," in " ".join(helped.stdout.split()), helped.stderr
+    if extra == "gateway":  # every module of the request layer, the app and the batch worker imports
+        imported = run(
+            [python, "-c", "import gateway.app, gateway.batch.worker, gateway.serving.prepare"], cwd=tmp_path
+        )
+        assert imported.returncode == 0, imported.stderr[-3000:]
     if extra == "gateway":  # and it reads the default model's tokenizer from its GGUF file
         cache = {"PAGEDSERVE_CACHE": str(tmp_path / "cache")}
         folder = run([python, "-m", "shared.model_files", default_model_path()], cache, cwd=tmp_path)

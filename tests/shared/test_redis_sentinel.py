@@ -148,3 +148,44 @@ def test_a_recount_sets_the_counter_to_the_entries_not_taken_in(r: redis.Redis, 
     recount = r.register_script(RECOUNT_SCRIPT)
     assert recount(keys=[inbox, counter], args=[taken]) == 9
     assert recount(keys=[inbox, counter], args=["0-0"]) == 12 and r.get(counter) == "12"
+
+
+def _read_cut_while_frozen(sentinel: SentinelRedis, watched: bool) -> list[BaseException]:
+    """A client with a read waiting on the master; the master frozen until the Sentinels switch, and 1 s
+    more: what the read raised while the old master was still frozen."""
+    client = connect(sentinel.url(3), max_connections=4)
+    if not watched:
+        client.failover_watch.stop()  # type: ignore[attr-defined]
+    client.xgroup_create("s", "g", id="0", mkstream=True)
+    errors: list[BaseException] = []
+
+    def waiting_read() -> None:
+        try:
+            client.xreadgroup("g", "c", {"s": ">"}, block=1000)  # answered in 1 s, by a live master
+        except redis.RedisError as e:
+            errors.append(e)
+
+    old = sentinel.master_port()
+    name = sentinel.name_of(old)
+    sentinel.signal(name, signal.SIGSTOP)
+    reader = threading.Thread(target=waiting_read, daemon=True)
+    reader.start()
+    try:
+        sentinel.wait_for_new_master(old)
+        reader.join(timeout=3)  # the announcement reaches the watch
+        return list(errors)
+    finally:
+        sentinel.signal(name, signal.SIGCONT)
+        sentinel.wait_role(name, "slave")
+
+
+def test_a_switch_announced_cuts_the_connections_to_a_frozen_master(sentinel: SentinelRedis) -> None:
+    """Nothing waits on a master that froze once the Sentinels have switched: the read waiting on it fails
+    as a lost connection (the caller's retry goes to the new master)."""
+    cut = _read_cut_while_frozen(sentinel, watched=True)
+    assert cut and all(isinstance(e, redis.ConnectionError) for e in cut), cut
+
+
+def test_without_the_watch_a_client_waits_on_the_frozen_master(sentinel: SentinelRedis) -> None:
+    """The negative control: unwatched, the read still waits on the old master."""
+    assert not _read_cut_while_frozen(sentinel, watched=False)
