@@ -10,7 +10,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -21,13 +21,15 @@ from gateway.backpressure import check_backpressure
 from gateway.batch_api import BatchAPI
 from gateway.cors import Cors
 from gateway.errors import install_error_handlers
+from gateway.replies import streamed, waited
 from gateway.request_body import bearer_token, ignored_fields_header, json_body, parse_body, validate
 from gateway.request_metrics import RequestMetrics
+from gateway.responses_routes import ResponsesAPI
 from gateway.serving.attachments import Attachments
 from gateway.serving.batch_records import BatchStore
 from gateway.serving.errors import APIError, bad_request
 from gateway.serving.event_hub import EventHub
-from gateway.serving.generation import ClientDisconnected, Generation, Limits
+from gateway.serving.generation import Generation, Limits
 from gateway.serving.models import ServedModel, ServedModels
 from gateway.serving.prepare import Prepared, prepare_chat
 from gateway.serving.prompt_batch import PromptBatch, prepare_prompts
@@ -47,7 +49,6 @@ from gateway.serving.schemas import (
     TokenizeCompletionRequest,
     conversation,
 )
-from gateway.serving.token_receiver import GenerationError
 from gateway.settings import GatewaySettings
 from gateway.sse import batch_event_stream, event_stream
 from shared.errors import ErrorCode
@@ -223,7 +224,9 @@ class Gateway:
         *,
         wakeup: threading.Event | None = None,
         attach: bool = True,
+        detached: bool = False,
     ) -> Generation:
+        """detached: run on whether or not the client stays (a background response)."""
         model = self.models.of(prepared.request)
         return Generation(
             self.redis,
@@ -235,7 +238,7 @@ class Gateway:
             watch=model.watch,
             attachments=self.attachments if attach else None,
             arrived=arrived,
-            is_disconnected=peer_closed(request.environ),
+            is_disconnected=(lambda: False) if detached else peer_closed(request.environ),
             wakeup=wakeup,
             observer=RequestMetrics(model.name, arrived, prepared.request.sampling.n),
         )
@@ -244,13 +247,13 @@ class Gateway:
         model = self.models.of(generation.request)
         response_format = ResponseFormat(generation, model.tokenizer, model.name)
         if generation.prepared.stream:
-            return _streamed(event_stream(generation, response_format), generation.close)
-        return _waited(generation.updates(), generation.close) or jsonify(response_format.response())
+            return streamed(event_stream(generation, response_format), generation.close)
+        return waited(generation.updates(), generation.close) or jsonify(response_format.response())
 
     def _respond_batch(self, batch: PromptBatch) -> Response:
         if batch.stream:
-            return _streamed(batch_event_stream(batch), batch.close)
-        return _waited(batch.updates(), batch.close) or jsonify(batch.response())
+            return streamed(batch_event_stream(batch), batch.close)
+        return waited(batch.updates(), batch.close) or jsonify(batch.response())
 
     # -- models and tokens --------------------------------------------------------------------------
 
@@ -375,30 +378,6 @@ def peer_closed(environ: dict[str, Any]) -> Callable[[], bool]:
     return closed
 
 
-def _streamed(events: Iterator[str], close: Callable[[], None]) -> Response:
-    """A streamed response; close() runs when it ends, whether its client read it all or dropped."""
-    response = Response(events, mimetype="text/event-stream")
-    response.headers["Cache-Control"] = "no-cache"
-    response.headers["X-Accel-Buffering"] = "no"  # a proxy in front must not buffer the stream
-    response.call_on_close(close)
-    return response
-
-
-def _waited(updates: Iterator[object], close: Callable[[], None]) -> Response | None:
-    """Run updates to the end, then close(): None when it finished, a 499 when the client left (nobody reads
-    it; the request goes unless resumed); a failure is raised as the client's error."""
-    try:
-        for _ in updates:
-            pass
-    except GenerationError as e:
-        raise APIError.of(e) from e
-    except ClientDisconnected:
-        return Response(status=499)
-    finally:
-        close()
-    return None
-
-
 def create_app(settings: GatewaySettings | None = None) -> Flask:
     """The gateway; settings default to the environment (what gunicorn's workers use)."""
     settings = settings or GatewaySettings.model_validate({})
@@ -435,6 +414,7 @@ def create_app(settings: GatewaySettings | None = None) -> Flask:
         ("/openapi.json", gateway.openapi, ["GET"]),
         ("/version", gateway.version, ["GET"]),
         *BatchAPI(settings, gateway.redis).routes(),
+        *ResponsesAPI(gateway).routes(),
     ]
     for rule, view, methods in routes:
         app.add_url_rule(rule, view.__name__, view, methods=methods)

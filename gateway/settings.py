@@ -28,6 +28,12 @@ class GatewaySettings(ClientSettings):
     )
     batch_max_file_bytes: int = Field(200 << 20, description="largest file POST /v1/files accepts")
     batch_max_lines: int = Field(50_000, description="most requests one batch file may hold")
+    response_ttl_s: int = Field(
+        30 * 24 * 3600, description="a stored response (Responses API, store true) is kept this long"
+    )
+    response_store_max: int = Field(
+        10_000, description="most responses stored at once; the oldest go first past it"
+    )
 
     def api_key_set(self) -> set[str]:
         return {k.strip() for k in self.api_keys.split(",") if k.strip()}

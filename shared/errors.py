@@ -21,6 +21,7 @@ class ErrorCode(StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     FILE_NOT_FOUND = "file_not_found"  # the Batch API's: no such file (or it was deleted)
     BATCH_NOT_FOUND = "batch_not_found"
+    RESPONSE_NOT_FOUND = "response_not_found"  # the Responses API's: none stored by that id (for this key)
     REQUEST_NOT_FOUND = "request_not_found"  # a stream to resume that does not exist (or is another key's)
     REQUEST_ID_IN_USE = "request_id_in_use"  # X-Request-Id names a request that exists already
     INVALID_API_KEY = "invalid_api_key"

@@ -43,12 +43,15 @@ How the keys would spread over a Redis Cluster, and what that costs, is in docs/
 | <p>:batch:{<bid>}:claims        | hash custom_id→rids | batch                     | batch                | gone at end   |
 | <p>:batch:{<bid>}:done          | hash custom_id→line | batch                     | batch                | gone at end   |
 | <p>:batch:{<bid>}:lease         | string (runner)     | batch                     | batch                | seconds       |
+| <p>:responses                   | zset id→created     | gateway                   | gateway              | pruned        |
+| <p>:response:{<id>}             | string (json)       | gateway                   | gateway              | RESPONSE_TTL  |
 | <p>:celery:*                    | Celery's own keys   | gateway, batch            | batch (Celery)       | Celery's      |
 
-HEARTBEAT_TTL is HEARTBEAT_TTL_S and REQUEST_TTL is REQUEST_TTL_S (shared.settings). What the streams' entries
-hold and their consumer groups are in shared.streams; the reservation counter's rules in shared.reservations;
-the KV events' rules in shared.kv_events; the KV map's in shared.kv_map.
-The scheduler writes a request's events and finished record only to refuse it (shared.records).
+HEARTBEAT_TTL is HEARTBEAT_TTL_S and REQUEST_TTL is REQUEST_TTL_S (shared.settings), RESPONSE_TTL is
+RESPONSE_TTL_S (gateway.settings). What the streams' entries hold and their consumer groups are in
+shared.streams; the reservation counter's rules in shared.reservations; the KV events' rules in
+shared.kv_events; the KV map's in shared.kv_map. The scheduler writes a request's events and finished record
+only to refuse it (shared.records).
 
 Files are kept until deleted (DELETE /v1/files/{id}). BATCH_TTL is BATCH_RETENTION_S, set when a batch ends
 (the listing drops a batch whose record has gone); a batch's per-line progress is deleted once its result
@@ -169,6 +172,15 @@ class Keys:
 
     def batch_lease(self, bid: str) -> str:
         return f"{self.prefix}:batch:{{{bid}}}:lease"
+
+    # -- the Responses API: the stored responses' listing, and each one's record on the slot of its id ---
+
+    @property
+    def responses(self) -> str:
+        return f"{self.prefix}:responses"
+
+    def response(self, rid: str) -> str:
+        return f"{self.prefix}:response:{{{rid}}}"
 
     @property
     def celery_prefix(self) -> str:

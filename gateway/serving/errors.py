@@ -21,6 +21,7 @@ HTTP_ERRORS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.INVALID_API_KEY: (401, "authentication_error"),
     ErrorCode.MODEL_NOT_FOUND: (404, "invalid_request_error"),
     ErrorCode.REQUEST_NOT_FOUND: (404, "invalid_request_error"),
+    ErrorCode.RESPONSE_NOT_FOUND: (404, "invalid_request_error"),
     ErrorCode.REQUEST_ID_IN_USE: (409, "invalid_request_error"),
     ErrorCode.FILE_NOT_FOUND: (404, "invalid_request_error"),
     ErrorCode.BATCH_NOT_FOUND: (404, "invalid_request_error"),

@@ -334,14 +334,7 @@ class Generation:
         if self.aborted is not None:
             return
         self.aborted = reason
-        rid = self.request_id
-        try:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.set(self._keys.abort_flag(rid), reason, ex=self._limits.request_ttl_s)
-            pipe.publish(self._keys.aborts, encode(AbortMessage(request_id=rid, reason=reason)))
-            pipe.execute()
-        except redis.RedisError as e:
-            logger.warning("request %s: could not publish its abort (%s): %s", rid, reason, e)
+        abort_request(self._client, self._keys, self.request_id, reason, self._limits.request_ttl_s)
 
     def _abort_unless_finished(self, reason: str) -> None:
         """abort(), unless every sample has ended meanwhile (its worker went on without the client)."""
@@ -373,6 +366,18 @@ class Generation:
             with contextlib.suppress(redis.RedisError):
                 attachments.detach(self.request_id, attachment)
         self._receiver.close()
+
+
+def abort_request(client: redis.Redis, keys: Keys, rid: str, reason: str, ttl_s: int) -> None:
+    """Tell the scheduler and the workers to drop a request: its abort flag, then the word to the workers (a
+    Redis away: logged; the request finishes or times out on its worker)."""
+    try:
+        pipe = client.pipeline(transaction=True)
+        pipe.set(keys.abort_flag(rid), reason, ex=ttl_s)
+        pipe.publish(keys.aborts, encode(AbortMessage(request_id=rid, reason=reason)))
+        pipe.execute()
+    except redis.RedisError as e:
+        logger.warning("request %s: could not publish its abort (%s): %s", rid, reason, e)
 
 
 def queue_requests(

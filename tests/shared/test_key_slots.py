@@ -95,7 +95,7 @@ SITES: dict[str, Site | None] = {
     "gateway/serving/generation.py:Generation._resend": multi(
         lambda k: [[k.request_meta(R), k.tokens(R, 0), k.tokens(R, 1), k.requests]], "request_meta", "tokens"
     ),
-    "gateway/serving/generation.py:Generation.abort": multi(lambda k: [[k.abort_flag(R)]], "abort_flag"),
+    "gateway/serving/generation.py:abort_request": multi(lambda k: [[k.abort_flag(R)]], "abort_flag"),
     "gateway/serving/generation.py:queue_requests": multi(  # one request or a prompt batch, WATCHed if named
         lambda k: [[k.request_meta(R), k.requests], [k.request_meta(R), k.request_meta(R2), k.requests]],
         "request_meta",
