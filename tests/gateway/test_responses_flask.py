@@ -159,6 +159,7 @@ def test_function_calls_are_output_items_whole_and_streamed(client, r, keys, tok
 
     response = answered(client, r, keys, tok, body, "Looking.\n" + CALL)
     message, call = response["output"]
+    assert message["type"] == "message"
     assert output_text(response) == "Looking."
     assert (call["type"], call["name"], call["status"]) == ("function_call", "get_weather", "completed")
     assert json.loads(call["arguments"]) == {"city": "Paris"} and call["call_id"].startswith("call_")
@@ -321,7 +322,7 @@ def status_of(client, response_id: str) -> str:
 
 @pytest.mark.usefixtures("worker")
 def test_a_background_response_finishes_in_whichever_process_fetches_it(make_app, r, keys, tok) -> None:
-    """The process that ran it is gone (its thread never stored the end): a GET in another reads the record."""
+    """The process that ran it went before storing its end: a GET in another reads the token record."""
     first, second = make_app().test_client(), make_app().test_client()
     ids = tok.encode("hello there")
     r.delete(keys.requests)
