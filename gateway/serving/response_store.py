@@ -61,8 +61,8 @@ class ResponseStore:
     def save(self, stored: StoredResponse) -> None:
         """Write (or overwrite) the record, keeping its remaining lifetime when it exists already."""
         key = self._keys.response(stored.id)
-        created = float(stored.response.get("created_at", time.time()))
-        self._client.zadd(self._keys.responses, {stored.id: created}, nx=True)
+        # Scored by when it was first stored, to the microsecond (created_at is in whole seconds).
+        self._client.zadd(self._keys.responses, {stored.id: time.time()}, nx=True)
         ttl = self._client.ttl(key)
         self._client.set(key, stored.model_dump_json(), ex=ttl if ttl > 0 else self.ttl_s)
         self._prune()

@@ -378,6 +378,8 @@ def finished(response: Json, completion: Json) -> Json:
     output = [message_item(rid, message["content"])] if message.get("content") else []
     output += [call_item(rid, k, call) for k, call in enumerate(message.get("tool_calls") or [])]
     status, details = end_status(choice["finish_reason"])
+    if status == "incomplete" and output:  # the item the limit cut
+        output[-1]["status"] = "incomplete"
     return {
         **response,
         "status": status,
