@@ -31,7 +31,7 @@ from gateway.serving.errors import APIError, bad_request
 from gateway.serving.event_hub import EventHub
 from gateway.serving.generation import Generation, Limits
 from gateway.serving.models import ServedModel, ServedModels
-from gateway.serving.prepare import Prepared, prepare_chat
+from gateway.serving.prepare import Prepared, encode_conversation, prepare_chat
 from gateway.serving.prompt_batch import PromptBatch, prepare_prompts
 from gateway.serving.responses import ResponseFormat
 from gateway.serving.resume import (
@@ -47,7 +47,6 @@ from gateway.serving.schemas import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    conversation,
 )
 from gateway.settings import GatewaySettings
 from gateway.sse import batch_event_stream, event_stream
@@ -284,11 +283,7 @@ class Gateway:
         if "messages" in data:
             body = chat = validate(TokenizeChatRequest, data)
             tokenizer = self.models.get(chat.model).tokenizer
-            tokens = tokenizer.encode_chat(
-                conversation(chat.messages),
-                add_special_tokens=chat.add_special_tokens,
-                **chat.template_options(),
-            )
+            tokens, _ = encode_conversation(chat, tokenizer, add_special_tokens=chat.add_special_tokens)
         else:
             body = plain = validate(TokenizeCompletionRequest, data)
             tokenizer = self.models.get(plain.model).tokenizer

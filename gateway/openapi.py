@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from gateway.batch_api import CreateBatchBody
+from gateway.serving.responses_api import ResponsesRequest
 from gateway.serving.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,7 +61,7 @@ def _errors(*statuses: int) -> dict[str, Json]:
     meaning = {
         400: "invalid request",
         401: "missing or wrong API key",
-        404: "unknown model, file or batch",
+        404: "unknown model, file, batch or stored response",
         409: "the X-Request-Id names a request that exists already",
         413: "body too large",
         415: "body is not JSON",
@@ -175,6 +176,7 @@ def _schemas() -> Json:
         TokenizeChatRequest,
         DetokenizeRequest,
         CreateBatchBody,
+        ResponsesRequest,
     ]
     _, top = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
@@ -256,6 +258,44 @@ def _batch_paths() -> Json:
     }
 
 
+def _responses_paths() -> Json:
+    """The Responses API's routes (gateway.responses_routes)."""
+    streamed = {
+        "description": "the response; with stream=true, its typed server-sent events (`event: response.*`)",
+        "content": {
+            "application/json": {"schema": _OBJECT},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+    items_page = [
+        *_PAGE,
+        {"name": "order", "in": "query", "required": False, "schema": {"enum": ["asc", "desc"]}},
+    ]
+    return {
+        "/v1/responses": _post(
+            "Create a response (stored unless store is false; background: answered at once, queued)",
+            _ref("ResponsesRequest"),
+            streamed,
+            *_GENERATION_ERRORS,
+        ),
+        "/v1/responses/{response_id}": {
+            "get": _operation("A stored response, as it stands", "the response", 400, 401, 404),
+            "delete": _operation("Delete a stored response", "the response, deleted", 401, 404),
+            "parameters": _path_param("response_id"),
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": _operation("Cancel a background response", "the response", 400, 401, 404),
+            "parameters": _path_param("response_id"),
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": _operation(
+                "A stored response's input items", "a page of items", 400, 401, 404, parameters=items_page
+            ),
+            "parameters": _path_param("response_id"),
+        },
+    }
+
+
 def document(model_name: str) -> Json:
     streamed = {
         "description": "the result; with stream=true, server-sent events ending with `data: [DONE]`",
@@ -317,6 +357,7 @@ def document(model_name: str) -> Json:
         "/openapi.json": _get("This document", _json(_OBJECT, "OpenAPI 3 document")),
         "/version": _get("The server's version", _json(_OBJECT, "`version`: the package's version")),
         **_batch_paths(),
+        **_responses_paths(),
     }
     return {
         "openapi": "3.1.0",

@@ -16,6 +16,7 @@ from gateway.serving.errors import bad_request, from_validation_error
 from gateway.serving.schemas import (
     ChatCompletionRequest,
     ChatMessage,
+    ChatTemplateBody,
     CompletionRequest,
     MessageToolCall,
     NamedToolChoice,
@@ -111,7 +112,7 @@ class ToolCalling:
         return self.choice != "none"
 
 
-def tool_calling(body: ChatCompletionRequest) -> ToolCalling | None:
+def tool_calling(body: ChatTemplateBody) -> ToolCalling | None:
     """The tools asked for (None: none), checked: 400 naming the parameter at fault."""
     named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
     tools = body.tools or []
@@ -156,9 +157,7 @@ def _tool_grammar(calling: ToolCalling, body: ChatCompletionRequest) -> Structur
     return spec
 
 
-def chat_turns(
-    body: ChatCompletionRequest, calling: ToolCalling | None, native: bool
-) -> list[dict[str, Any]]:
+def chat_turns(body: ChatTemplateBody, calling: ToolCalling | None, native: bool) -> list[dict[str, Any]]:
     """The messages as the chat template takes them. Earlier calls and tools' results are written in the
     tool-call format (serving.tools), unless the template writes them itself (native); so are the tools,
     in the system message."""
@@ -217,12 +216,19 @@ def _arguments(i: int, j: int, call: MessageToolCall) -> Any:
         raise bad_request(f"{param} is not JSON: {e}", param=param) from e
 
 
-def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, model: str = "") -> Prepared:
+def encode_conversation(
+    body: ChatTemplateBody, tokenizer: Tokenizer, **options: Any
+) -> tuple[list[int], ToolCalling | None]:
+    """The prompt's token ids (the chat template over the messages, and the tools), and the tools checked."""
     calling = tool_calling(body)
     native = calling is not None and tokenizer.writes_tool_calls
     tools = [t.signature() for t in calling.tools] if calling is not None and native else None
     turns = chat_turns(body, calling, native)
-    prompt_ids = tokenizer.encode_chat(turns, **body.template_options(), tools=tools)
+    return tokenizer.encode_chat(turns, **body.template_options(), tools=tools, **options), calling
+
+
+def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, model: str = "") -> Prepared:
+    prompt_ids, calling = encode_conversation(body, tokenizer)
     if not prompt_ids:
         raise bad_request("the messages make an empty prompt", param="messages")
     prompt_ids = _truncate(prompt_ids, body.truncate_prompt_tokens, tokenizer)

@@ -214,7 +214,8 @@ class CompletionRequest(SamplingBody):
 
 
 class ChatTemplateBody(Body):
-    """Messages and how the chat template turns them into a prompt."""
+    """Messages, and how the chat template turns them into a prompt: its options, and the tools it shows the
+    model (with tool_choice and parallel_tool_calls, which also decide the grammar of a generation)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = Field(True, description="end the prompt with the assistant's turn header")
@@ -226,6 +227,13 @@ class ChatTemplateBody(Body):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="extra variables for the chat template (e.g. enable_thinking)"
     )
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description=f"functions the model may call, at most {MAX_TOOLS}"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or the function to call"
+    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call")
 
     @field_validator("continue_final_message")
     @classmethod
@@ -260,13 +268,6 @@ class ChatCompletionRequest(SamplingBody, ChatTemplateBody):
     echo: bool = Field(
         False, description="when the final message is the assistant's, the response starts with its content"
     )
-    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = Field(
-        None, description=f"functions the model may call, at most {MAX_TOOLS}"
-    )
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="none, auto (the default with tools), required, or the function to call"
-    )
-    parallel_tool_calls: bool = Field(True, description="false: at most one call")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

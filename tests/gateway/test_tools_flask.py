@@ -213,3 +213,14 @@ def test_the_grammar_holds_the_answer_to_the_format_and_the_schemas(
     assert not matcher.is_error(), matcher.get_error()
     taken = matcher.consume_tokens(tok.encode(text))
     assert (taken and matcher.is_accepting()) == accepted, matcher.get_error()
+
+
+@pytest.mark.usefixtures("worker")
+def test_tokenize_with_tools_gives_the_prompt_a_chat_request_becomes(client, r, keys) -> None:
+    request = sent(client, r, keys, CHAT, tools_body())
+    tokens = client.post("/tokenize", json=tools_body()).get_json()["tokens"]
+    assert tokens == request.prompt_token_ids
+    without = client.post("/tokenize", json={"messages": USER}).get_json()["tokens"]
+    assert len(without) < len(tokens)
+    named = tools_body(tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert assert_openai_error(client.post("/tokenize", json=named), 400)["param"] == "tool_choice"
