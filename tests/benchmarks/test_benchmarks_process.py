@@ -34,6 +34,21 @@ def test_offline_throughput_smoke(tiny_model_path: str, tmp_path: Path) -> None:
     assert rows["static generate() batch=2"]["speedup_vs_best_static"] == 1.0
 
 
+def test_tool_calls_smoke(tiny_model_path: str, tmp_path: Path) -> None:
+    out = tmp_path / "tool_calls.json"
+    script = REPO / "benchmarks" / "tool_calls.py"
+    subprocess.run(
+        [sys.executable, str(script), "--smoke", "--model", tiny_model_path, "--json", str(out),
+         "--plot", str(tmp_path / "tool_calls.png")],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    free, call = results["median"]["free@1"], results["median"]["call@1"]
+    assert free["output_tokens"] == 24 and 0 < call["output_tokens"] <= 24
+    assert call["first_argument_s"] > call["ttft_s"] > 0  # the call's name comes before its arguments
+    assert results["decode_ratio@1"] > 0 and (tmp_path / "tool_calls.png").stat().st_size > 0
+
+
 def test_serving_one_command_smoke(
     tiny_model_path: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
