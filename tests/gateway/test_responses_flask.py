@@ -5,7 +5,6 @@ their cancel, and the 400s naming the parameter, through the Flask test client o
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Any
 
@@ -15,10 +14,10 @@ from tests.support.gateway_app import (
     PacedWorker,
     assert_openai_error,
     data_of,
+    paced_stream,
     queued,
     run,
     sent,
-    sse_events,
     wait_for,
 )
 
@@ -36,24 +35,6 @@ def answered(client, r, keys, tok, body: dict[str, Any], text: str, finish: str 
     response, _ = run(client, r, keys, RESPONSES, body, tok.encode(text), finish=finish)
     assert response.status_code == 200, response.get_data(as_text=True)
     return response.get_json()
-
-
-def paced_stream(client, r, keys, ids: list[int], body: dict[str, Any]) -> list[str]:
-    """The events of a streamed response whose worker sends a token every 10 ms."""
-    r.delete(keys.requests)  # the paced worker reads the stream from its start
-    paced = PacedWorker(r, keys, ids, finish="stop")
-    paced.start()
-
-    def release() -> None:
-        for _ in ids:
-            paced.release(1)
-            time.sleep(0.01)
-
-    releaser = threading.Thread(target=release)
-    releaser.start()
-    blocks = sse_events(client.post(RESPONSES, json={**body, "stream": True}).get_data(as_text=True))
-    releaser.join()
-    return blocks
 
 
 def output_text(response: dict[str, Any]) -> str:
@@ -122,7 +103,9 @@ def test_a_long_answer_is_incomplete_at_max_output_tokens(client, r, keys, tok) 
 
 @pytest.mark.usefixtures("worker")
 def test_the_stream_is_the_typed_events_the_sdk_reads(client, r, keys, tok) -> None:
-    blocks = paced_stream(client, r, keys, tok.encode("Paris is the capital."), {"input": "capital?"})
+    blocks = paced_stream(
+        client, r, keys, RESPONSES, {"input": "capital?"}, tok.encode("Paris is the capital.")
+    )
     events = data_of(blocks)
     assert [b.split("\n")[0] for b in blocks] == [f"event: {e['type']}" for e in events]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -165,7 +148,7 @@ def test_function_calls_are_output_items_whole_and_streamed(client, r, keys, tok
     assert json.loads(call["arguments"]) == {"city": "Paris"} and call["call_id"].startswith("call_")
     assert response["tools"] == [WEATHER] and response["tool_choice"] == "auto"
 
-    events = data_of(paced_stream(client, r, keys, tok.encode(CALL), body))
+    events = data_of(paced_stream(client, r, keys, RESPONSES, body, tok.encode(CALL)))
     added = [e for e in events if e["type"] == "response.output_item.added"]
     assert [e["item"]["type"] for e in added] == ["function_call"]
     assert added[0]["item"]["name"] == "get_weather" and added[0]["item"]["arguments"] == ""

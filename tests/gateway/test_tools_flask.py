@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import threading
-import time
 from typing import Any
 
 import llguidance
@@ -18,13 +16,12 @@ from gateway.serving.tools import Tool, grammar, read_calls
 from tests.support.gateway_app import (
     CHAT,
     USER,
-    PacedWorker,
     assert_openai_error,
     data_of,
+    paced_stream,
     queued,
     run,
     sent,
-    sse_events,
 )
 
 WEATHER = {
@@ -127,19 +124,7 @@ def test_calls_come_back_as_tool_calls_whole_and_streamed(client, r, keys, tok, 
     assert calls[0]["id"].startswith("call_") and calls[0]["id"] != calls[1]["id"]
 
     # Streamed, a token at a time: the calls' deltas as they grow.
-    r.delete(keys.requests)  # the paced worker reads the stream from its start
-    paced = PacedWorker(r, keys, ids, finish="stop")
-    paced.start()
-
-    def release() -> None:
-        for _ in ids:
-            paced.release(1)
-            time.sleep(0.01)
-
-    releaser = threading.Thread(target=release)
-    releaser.start()
-    chunks = data_of(sse_events(client.post(CHAT, json=tools_body(stream=True)).get_data(as_text=True)))
-    releaser.join()
+    chunks = data_of(paced_stream(client, r, keys, CHAT, tools_body(), ids))
     deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
     content = "".join(d.get("content") or "" for d in deltas)
     assert content == before.strip()

@@ -262,6 +262,26 @@ class PacedWorker(FakeWorker):
             self.allowed.release()
 
 
+def paced_stream(
+    client: FlaskClient, r: redis.Redis, keys: Keys, path: str, body: dict[str, Any], ids: list[int]
+) -> list[str]:
+    """The events of a stream (body, streamed) whose worker sends ids a token every 10 ms, ending "stop"."""
+    r.delete(keys.requests)  # the paced worker reads the stream from its start
+    paced = PacedWorker(r, keys, ids, finish="stop")
+    paced.start()
+
+    def release() -> None:
+        for _ in ids:
+            paced.release(1)
+            time.sleep(0.01)
+
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    blocks = sse_events(client.post(path, json={**body, "stream": True}).get_data(as_text=True))
+    releaser.join()
+    return blocks
+
+
 def read_events(body: Iterator[bytes], count: int) -> list[str]:
     """count data events (each with its id line) from a streaming response, as blocks of text."""
     text, events = "", []
