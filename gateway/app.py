@@ -176,18 +176,33 @@ class Gateway:
         """Queue one request and answer it. Its client can resume it when it knows its id: a stream's is in
         every event, and a client that named its request (name, from X-Request-Id) knows it already; the
         request of a client that knows neither is aborted as soon as the client goes."""
-        settings = self.settings
-        model = prepared.request.model
-        check_backpressure(self.registry, model, settings.max_queue_len, settings.heartbeat_ttl_s)
         if name is not None:
             prepared.request.request_id = name
-        generation = self._generation(prepared, arrived, attach=prepared.stream or name is not None)
+        attach = prepared.stream or name is not None
+        return self._respond(self.submit(prepared, arrived, attach=attach, exclusive=name is not None))
+
+    def submit(
+        self,
+        prepared: Prepared,
+        arrived: float,
+        *,
+        attach: bool,
+        exclusive: bool = False,
+        detached: bool = False,
+    ) -> Generation:
+        """Queue one request, unless its model's queue is full (503): its generation, subscribed. attach,
+        detached: as _generation; exclusive: as queue_requests."""
+        settings = self.settings
+        check_backpressure(
+            self.registry, prepared.request.model, settings.max_queue_len, settings.heartbeat_ttl_s
+        )
+        generation = self._generation(prepared, arrived, attach=attach, detached=detached)
         try:
-            generation.submit(self.owner(), exclusive=name is not None)
+            generation.submit(self.owner(), exclusive=exclusive)
         except BaseException:
             generation.close(reason=None)
             raise
-        return self._respond(generation)
+        return generation
 
     def _generate_batch(self, prepared: list[Prepared], arrived: float, name: str | None = None) -> Response:
         """Several prompts: each queued as a request of its own (serving.prompt_batch), answered as one; named

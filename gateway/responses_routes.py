@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import redis
 from flask import Response, jsonify, request
 
-from gateway.backpressure import check_backpressure
 from gateway.replies import streamed, waited
 from gateway.request_body import parse_body, validate
 from gateway.serving.errors import APIError, bad_request
@@ -118,14 +117,7 @@ class ResponsesAPI:
                 input_items=items,
                 conversation=conversation,
             )
-        settings = gateway.settings
-        check_backpressure(gateway.registry, model.name, settings.max_queue_len, settings.heartbeat_ttl_s)
-        generation = gateway._generation(prepared, arrived, attach=False, detached=body.background)
-        try:
-            generation.submit(owner)
-        except BaseException:
-            generation.close(reason=None)
-            raise
+        generation = gateway.submit(prepared, arrived, attach=False, detached=body.background)
         response_format = ResponseFormat(generation, model.tokenizer, model.name)
         if body.background:
             assert stored is not None
