@@ -231,24 +231,35 @@ class ResponsesAPI:
             logger.warning("background response %s: could not store its end: %s", stored.id, e)
 
     def _mark(self, stored: StoredResponse, status: str) -> None:
+        def change(current: StoredResponse) -> StoredResponse | None:
+            if current.status in FINAL:
+                return None
+            current.response = {**current.response, "status": status}
+            return current
+
         try:
-            current = self.store.load(stored.id, stored.owner)
+            self.store.update(stored.id, stored.owner, change)
         except (APIError, redis.RedisError):
             return
-        if current.status not in FINAL:
-            current.response = {**current.response, "status": status}
-            self.store.save(current)
 
     def _end(self, stored: StoredResponse, final: Json) -> None:
+        """Store the end of a response, unless it has one already; one that was cancelled stays so, with
+        the output it had."""
+
+        def change(current: StoredResponse) -> StoredResponse | None:
+            ended = final
+            if current.status == "cancelled" and not current.response["output"]:
+                ended = {**final, "status": "cancelled", "incomplete_details": None}
+            elif current.status in FINAL:
+                return None
+            current.response = ended
+            current.conversation = current.conversation + output_messages(ended)
+            return current
+
         try:
-            current = self.store.load(stored.id, stored.owner)
+            self.store.update(stored.id, stored.owner, change)
         except APIError:  # deleted meanwhile
             return
-        if current.status == "cancelled":
-            final = {**final, "status": "cancelled", "incomplete_details": None}
-        elif current.status in FINAL:
-            return
-        self._save(current, final)
 
     def _refresh(self, stored: StoredResponse) -> StoredResponse:
         """A response still running, as its request's token record shows it: finished (then stored), or the
@@ -299,15 +310,26 @@ class ResponsesAPI:
         return jsonify({"id": response_id, "object": "response", "deleted": True})
 
     def cancel_response(self, response_id: str) -> Response:
-        stored = self._load(response_id)
-        if not stored.response.get("background"):
-            raise bad_request("only a background response can be cancelled", param="response_id")
-        if stored.status in FINAL and stored.status != "cancelled":
-            raise bad_request(f"response '{response_id}' has ended ({stored.status})", param="response_id")
-        if stored.status != "cancelled":
+        cancelled_now = False
+
+        def change(current: StoredResponse) -> StoredResponse | None:
+            nonlocal cancelled_now
+            cancelled_now = False
+            if not current.response.get("background"):
+                raise bad_request("only a background response can be cancelled", param="response_id")
+            if current.status == "cancelled":
+                return None
+            if current.status in FINAL:
+                raise bad_request(
+                    f"response '{response_id}' has ended ({current.status})", param="response_id"
+                )
+            cancelled_now = True
+            current.response = {**current.response, "status": "cancelled"}
+            return current
+
+        stored = self.store.update(response_id, self._gateway.owner(), change)
+        if cancelled_now:
             self._abort(stored)
-            stored.response = {**stored.response, "status": "cancelled"}
-            self.store.save(stored)
         return jsonify(stored.response)
 
     def _abort(self, stored: StoredResponse) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -67,9 +68,34 @@ class ResponseStore:
         self._client.set(key, stored.model_dump_json(), ex=ttl if ttl > 0 else self.ttl_s)
         self._prune()
 
+    def update(
+        self, response_id: str, owner: str, change: Callable[[StoredResponse], StoredResponse | None]
+    ) -> StoredResponse:
+        """Change a record as it is now, atomically (WATCHed: a cancel and a background run's end never
+        overwrite each other): `change` returns the record to write, or None to leave it. The record as it
+        stands after; 404 as load() does."""
+        key = self._keys.response(response_id)
+        with self._client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    current = self._parse(response_id, owner, pipe.get(key))
+                    changed = change(current)
+                    if changed is None:
+                        return current
+                    pipe.multi()
+                    pipe.set(key, changed.model_dump_json(), keepttl=True)
+                    pipe.execute()
+                    return changed
+                except redis.WatchError:
+                    continue
+
     def load(self, response_id: str, owner: str) -> StoredResponse:
         """The record; 404 response_not_found when there is none, or it is another key's."""
-        raw = self._client.get(self._keys.response(response_id))
+        return self._parse(response_id, owner, self._client.get(self._keys.response(response_id)))
+
+    @staticmethod
+    def _parse(response_id: str, owner: str, raw: Any) -> StoredResponse:
         if raw is None:
             raise response_not_found(response_id)
         stored = StoredResponse.model_validate(json.loads(raw))

@@ -247,14 +247,25 @@ def test_a_frozen_primary_returns_as_a_replica_and_no_write_it_took_is_lost(fail
     failover.assert_all_alive()
 
 
-def lose_the_last_writes(sentinel: SentinelRedis, hold_s: float, cluster: Cluster) -> list[Stream]:
-    """Make the failover lose writes for real: the replica is pointed away from the primary for hold_s (so
-    no write of that time reaches it), then the primary dies and that replica is promoted. Streams sent
-    meanwhile are returned: their requests are among the writes lost."""
+def lose_the_last_writes(
+    sentinel: SentinelRedis, hold_s: float, cluster: Cluster, running: list[Stream]
+) -> list[Stream]:
+    """Make the failover lose writes for real: the replica is pointed away from the primary (so no write of
+    that time reaches it) for hold_s and until a running stream has had tokens meanwhile (tokens its client
+    saw, so written), then the primary dies and that replica is promoted. Streams sent meanwhile are
+    returned: their requests are among the writes lost."""
     replica = next(n for n in ("primary", "replica") if sentinel.ports[n] != sentinel.master_port())
+    seen = [len(s.text) for s in running]
+    away_at = time.monotonic()
     sentinel.client(replica).replicaof("127.0.0.1", str(free_port()))
     sent = [Stream(body).start(cluster.base_url) for body in bodies()[:: len(PROMPTS) * 2]]
-    time.sleep(hold_s)
+
+    def written_meanwhile() -> bool:
+        return any(len(s.text) >= n + 3 for s, n in zip(running, seen))
+
+    while time.monotonic() - away_at < hold_s or not written_meanwhile():
+        assert time.monotonic() - away_at < 30, "no stream had tokens while the replica was away"
+        time.sleep(0.02)
     sentinel.kill_master()
     return sent
 
@@ -263,7 +274,7 @@ def test_writes_the_failover_lost_are_resent(failover: Failover) -> None:
     cluster, sentinel = failover.cluster, failover.redis
     expected = fault_free(cluster)
     streams = start_and_wait_running(cluster)
-    sent = lose_the_last_writes(sentinel, hold_s=0.5, cluster=cluster)
+    sent = lose_the_last_writes(sentinel, hold_s=0.5, cluster=cluster, running=streams)
     streams, expected = streams + sent, expected + expected[:: len(PROMPTS) * 2]
     counts = count(cluster, streams, expected)
     print(f"the last 0.5 s of writes lost: {dict(counts)}")
@@ -277,7 +288,7 @@ def test_negative_control_without_resending_the_count_shows_the_loss(
     cluster, sentinel = failover_without_repair.cluster, failover_without_repair.redis
     expected = fault_free(cluster)
     streams = start_and_wait_running(cluster)
-    lose_the_last_writes(sentinel, hold_s=0.5, cluster=cluster)
+    lose_the_last_writes(sentinel, hold_s=0.5, cluster=cluster, running=streams)
     counts = count(cluster, streams, expected)
     print(f"negative control (workers resend nothing): {dict(counts)}")
     assert counts["lost"] + counts["duplicated"] > 0, counts

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from gateway.serving.response_store import ResponseStore, StoredResponse
 from tests.support.gateway_app import (
     PacedWorker,
     assert_openai_error,
@@ -343,3 +344,28 @@ def test_input_items_are_paged(client, r, keys, tok) -> None:
     assert newest["data"][0]["content"][0]["text"] == "message 4"
     bad = client.get(f"{RESPONSES}/{rid}/input_items?limit=0")
     assert assert_openai_error(bad, 400)["param"] == "limit"
+
+
+def test_a_change_made_meanwhile_is_not_overwritten(r, keys) -> None:
+    """A background run's end read the record before a cancel wrote it: its write is retried against the
+    cancel and leaves it (a plain read-then-write would store the end over the cancel)."""
+    store = ResponseStore(r, keys, ttl_s=60, max_stored=10)
+    record = StoredResponse(request_id="cmpl-x", response={"id": "resp_race", "status": "in_progress"})
+    store.save(record)
+    calls: list[str] = []
+
+    def end(current: StoredResponse) -> StoredResponse | None:
+        calls.append(current.status)
+        if len(calls) == 1:  # the cancel lands between this read and the write
+            store.save(
+                StoredResponse(request_id="cmpl-x", response={"id": "resp_race", "status": "cancelled"})
+            )
+        if current.status == "cancelled":
+            return None
+        current.response = {**current.response, "status": "completed"}
+        return current
+
+    assert store.update("resp_race", "", end).status == "cancelled"
+    assert calls == ["in_progress", "cancelled"]
+    assert store.load("resp_race", "").status == "cancelled"
+    assert 0 < r.ttl(keys.response("resp_race")) <= 60

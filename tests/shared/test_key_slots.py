@@ -101,6 +101,7 @@ SITES: dict[str, Site | None] = {
         "request_meta",
         "requests",
     ),
+    "gateway/serving/response_store.py:ResponseStore.update": multi(lambda k: [[k.response(R)]], "response"),
     "gpu_worker/kv_publisher.py:KVPublisher.publish": multi(
         lambda k: [[k.kv_blocks(W), k.kv_events(W)]], "kv_events"
     ),
@@ -180,13 +181,14 @@ def cluster_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Red
         )
     except FileNotFoundError:
         pytest.skip("redis-server is not installed")
-    client = redis.Redis(port=port, decode_responses=True)
+    # Timeouts: a connect made before the server listens can meet itself on the port and wait forever.
+    client = redis.Redis(port=port, decode_responses=True, socket_timeout=5, socket_connect_timeout=2)
     try:
         for _ in range(200):
             try:
                 client.ping()
                 break
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):
                 time.sleep(0.05)
         client.execute_command("CLUSTER ADDSLOTSRANGE", 0, 16383)
         yield client
@@ -417,6 +419,7 @@ def run_workload(
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         assert client.post("/v1/chat/completions", json=chat).status_code == 200
         drop_a_stream(client, r, keys)
+        run_a_background_response(client)
         run_a_batch(client, common)
         assert client.get("/metrics").status_code == 200
         wait_until(lambda: r.hlen(keys.finished(ghost_rid)) == 1, timeout=30)
@@ -444,6 +447,13 @@ def drop_a_stream(client: FlaskClient, r: redis.Redis, keys: Keys) -> None:
     next(iter(response.response))
     response.close()
     wait_until(lambda: any(r.scan_iter(match=keys.abort_flag("*"))))
+
+
+def run_a_background_response(client: FlaskClient) -> None:
+    """A stored response run in the background, polled to its end."""
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 3, "background": True}
+    response_id = client.post("/v1/responses", json=body).get_json()["id"]
+    wait_until(lambda: client.get(f"/v1/responses/{response_id}").get_json()["status"] == "incomplete")
 
 
 def run_a_batch(client: FlaskClient, common: dict[str, Any]) -> None:
