@@ -117,8 +117,9 @@ class RequestTable:
             active = self.active[rid]
             if index not in active.pending:
                 continue  # a beam search resumed after a failover: this sample was delivered before
-            # A sample sends its newest token; a beam search's outputs arrive whole when it ends.
-            count = seq.num_output_tokens if seq.params.use_beam_search else 1
+            # A sample sends the tokens of its last step (more than one when drafts were accepted); a beam
+            # search's outputs arrive whole when it ends.
+            count = seq.num_output_tokens if seq.params.use_beam_search else seq.num_step_tokens
             tokens = seq.token_ids[-count:]
             logprobs = []
             if seq.params.logprobs is not None:

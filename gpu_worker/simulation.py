@@ -62,10 +62,14 @@ class SimulatedRunner:
     def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor:
         time.sleep(self.step_time.of(out.num_batched_tokens))
         num_prompt_rows = sum(count for _, _, count in out.prompt_logit_spans)
-        logits = torch.zeros(len(sample_rows) + num_prompt_rows, self.vocab_size)
-        for row, i in enumerate(sample_rows):
+        num_rows = sum(1 + out.num_draft_tokens[i] for i in sample_rows)
+        logits = torch.zeros(num_rows + num_prompt_rows, self.vocab_size)
+        row = 0
+        for i in sample_rows:
             seq = out.seqs[i]
-            logits[row, next_token(seq.token_ids[0], seq.num_tokens, self.vocab_size)] = 30.0
+            for position in range(seq.num_tokens, seq.num_tokens + 1 + out.num_draft_tokens[i]):
+                logits[row, next_token(seq.token_ids[0], position, self.vocab_size)] = 30.0
+                row += 1
         return logits
 
 

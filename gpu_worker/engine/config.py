@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gpu_worker.engine.speculative import SpeculativeConfig
+
 
 class EngineConfig(BaseModel):
     """Sizes and limits of one engine (one worker process)."""
@@ -34,6 +36,11 @@ class EngineConfig(BaseModel):
     )
     enable_prefix_caching: bool = Field(default=True, description="share full blocks of common prefixes")
     seed: int = Field(default=0, description="seeds the sampling of requests that bring no seed of their own")
+    speculative_config: SpeculativeConfig | None = Field(
+        default=None,
+        description='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (default: off)',
+    )
 
     @field_validator("block_size")
     @classmethod

@@ -46,9 +46,9 @@ class LLMEngine:
         self.allocator = BlockAllocator(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.step_scheduler = StepScheduler(config, self.allocator)
-        self.sampler = Sampler(self.runner.eos_token_ids)
         self.max_model_len = self.runner.max_model_len
+        self.step_scheduler = StepScheduler(config, self.allocator, self.max_model_len)
+        self.sampler = Sampler(self.runner.eos_token_ids)
         self.vocab_size = self.runner.vocab_size
         self.requests: dict[str, list[Sequence]] = {}
         self.beam_searches: dict[str, BeamSearch] = {}
@@ -142,24 +142,72 @@ class LLMEngine:
             return []
         sample_rows = [
             i
-            for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
-            if seq.num_computed_tokens + n == seq.num_tokens
+            for i, (seq, n, d) in enumerate(zip(out.seqs, out.num_new_tokens, out.num_draft_tokens))
+            if seq.num_computed_tokens + n - d == seq.num_tokens
         ]
         out.prompt_logit_spans = prompt_logit_spans(out)
         logits = self.runner.run(out, sample_rows)
-        record_prompt_logprobs(out, logits[len(sample_rows) :])
+        # Each sample row's logits at its last token, then at each of its drafts (what follows each).
+        first_rows: list[int] = []
+        verify: list[tuple[Sequence, torch.Tensor]] = []
+        row = 0
+        for i in sample_rows:
+            first_rows.append(row)
+            num_draft = out.num_draft_tokens[i]
+            if num_draft:
+                verify.append((out.seqs[i], logits[row + 1 : row + 1 + num_draft]))
+            row += 1 + num_draft
+        record_prompt_logprobs(out, logits[row:])
         num_prompt_tokens = _num_prompt_tokens(out)
         self.step_scheduler.update_computed(out)
-        sampling, sample_logits = [out.seqs[i] for i in sample_rows], logits[: len(sample_rows)]
+        sampling = [out.seqs[i] for i in sample_rows]
+        sample_logits = logits[first_rows] if verify else logits[: len(sample_rows)]
+        for seq in sampling:
+            seq.num_step_tokens = 0
         beam_results: list[Sequence] = []
         num_beam_rows = 0
         if self.beam_searches:
             sampling, sample_logits, beam_results = self._advance_beams(sampling, sample_logits)
             num_beam_rows = len(sample_rows) - len(sampling)
         sampled = self._postprocess(sampling, sample_logits)
-        # A live beam's row is a token computed this step, though beams return nothing until the search ends.
-        self.iteration_tokens.observe(num_prompt_tokens + len(sampled) + num_beam_rows)
+        self._verify(verify)
+        # Tokens computed this step: prompt tokens, the rows that sampled (a live beam's too, though beams
+        # return nothing until the search ends) and the drafts verified.
+        num_drafts = sum(out.num_draft_tokens)
+        self.iteration_tokens.observe(num_prompt_tokens + len(sampled) + num_beam_rows + num_drafts)
         return sampled + beam_results
+
+    def _verify(self, verify: list[tuple[Sequence, torch.Tensor]]) -> None:
+        """Keep each sequence's drafts as far as the model agrees with them (speculative module docstring).
+
+        Round j: a sequence whose last sampled token equals its draft j has that draft accepted and samples
+        the token after it from the logits at the draft's position; the first token that differs stays in
+        its place (a draw from the model, as without speculation) and ends the sequence's run. A sequence
+        that accepts every draft samples one token more after them. Then its rejected slots roll back.
+        """
+        accepted = dict.fromkeys((seq for seq, _ in verify), 0)
+        pending = verify
+        j = 0
+        while pending:
+            sampling: list[tuple[Sequence, torch.Tensor]] = []
+            for seq, rows in pending:
+                matched = seq.token_ids[-1] == seq.draft_token_ids[j]
+                accepted[seq] += matched
+                if matched and not seq.is_finished:
+                    sampling.append((seq, rows))
+                else:
+                    self.step_scheduler.accept_drafts(seq, accepted[seq])
+            if not sampling:
+                break
+            seqs = [seq for seq, _ in sampling]
+            self._append(seqs, self.sampler(torch.stack([rows[j] for _, rows in sampling]), seqs))
+            j += 1
+            pending = []
+            for seq, rows in sampling:
+                if j < len(seq.draft_token_ids) and not seq.is_finished:
+                    pending.append((seq, rows))
+                else:  # every draft accepted (and the token after them sampled), or it finished
+                    self.step_scheduler.accept_drafts(seq, accepted[seq])
 
     def _advance_beams(
         self, sampling: list[Sequence], logits: torch.Tensor
@@ -217,6 +265,7 @@ class LLMEngine:
         for i, seq in enumerate(seqs):
             token = sampled.token_ids[i]
             seq.token_ids.append(token)
+            seq.num_step_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now

@@ -29,7 +29,8 @@ class StepRunner(Protocol):
     tokenizer: Any  # None when there is no model (structured outputs are then refused)
 
     def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor:
-        """Logits for the rows that sample, then for out.prompt_logit_spans."""
+        """Logits for the rows that sample (each: at its last token, then at each of its drafts), then for
+        out.prompt_logit_spans."""
         ...
 
 
@@ -85,20 +86,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor:
-        """Logits at the last new token of each sequence in sample_rows, then at every token of
-        out.prompt_logit_spans in order: `[len(sample_rows) + span tokens, vocab_size]`."""
+        """Logits at the last token of each sequence in sample_rows and at each of its drafts (what the
+        tokens after them should be), then at every token of out.prompt_logit_spans in order:
+        `[len(sample_rows) + their drafts + span tokens, vocab_size]`."""
         self.kv_cache.copy_blocks(out.copy_pairs)
         input_ids: list[int] = []
         starts: list[int] = []
         seq_lens: list[int] = []
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+        for seq, num_new, num_draft in zip(out.seqs, out.num_new_tokens, out.num_draft_tokens):
             start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + num_new]
+            input_ids += seq.token_ids[start : start + num_new - num_draft]
+            if num_draft:
+                input_ids += seq.draft_token_ids
             starts.append(start)
             seq_lens.append(start + num_new)
         meta, positions = self._metadata(out, starts, seq_lens)
         query_start_loc = meta.query_start_loc.tolist()
-        keep = [query_start_loc[i + 1] - 1 for i in sample_rows]
+        keep: list[int] = []
+        for i in sample_rows:
+            end = query_start_loc[i + 1]
+            keep += range(end - 1 - out.num_draft_tokens[i], end)
         for i, first, count in out.prompt_logit_spans:
             keep += range(query_start_loc[i] + first, query_start_loc[i] + first + count)
         logits_indices = torch.tensor(keep, dtype=torch.long, device=self.device)

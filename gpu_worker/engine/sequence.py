@@ -8,6 +8,7 @@ import time
 from llguidance import LLMatcher
 
 from gpu_worker.engine.sampling_params import SamplingParams
+from gpu_worker.engine.speculative import SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -25,6 +26,7 @@ class Sequence:
         "arrival",
         "arrival_time",
         "block_table",
+        "draft_token_ids",
         "finish_reason",
         "first_scheduled_time",
         "first_token_time",
@@ -38,6 +40,7 @@ class Sequence:
         "num_computed_tokens",
         "num_pending_forks",
         "num_prompt_tokens",
+        "num_step_tokens",
         "params",
         "priority",
         "prompt_logprobs",
@@ -45,6 +48,7 @@ class Sequence:
         "request_id",
         "seed",
         "seq_id",
+        "spec",
         "status",
         "token_ids",
         "top_logprobs",
@@ -83,6 +87,11 @@ class Sequence:
         self.num_pending_forks = params.n - 1
         # Structured output: the grammar matcher, in step with the output tokens (None: free text).
         self.matcher: LLMatcher | None = None
+        # Speculative decoding: the tokens this step verifies after the last one, and the proposer's state.
+        self.draft_token_ids: list[int] = []
+        self.spec: SpecState | None = None
+        # Tokens the last step appended (more than one when drafts were accepted).
+        self.num_step_tokens = 0
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         # Entry j: prompt token j + 1 given the tokens before it (params.prompt_logprobs only).

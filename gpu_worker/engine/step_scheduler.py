@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from gpu_worker.engine.block_allocator import BlockAllocator
 from gpu_worker.engine.config import EngineConfig
 from gpu_worker.engine.sequence import Sequence, SequenceStatus
+from gpu_worker.engine.speculative import NgramSpeculator
 
 
 @dataclass(slots=True)
@@ -18,6 +19,8 @@ class StepSchedule:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     copy_pairs: list[tuple[int, int]] = field(default_factory=list)
+    # Per row: how many of its new tokens are drafts to verify (seq.draft_token_ids), after its last token.
+    num_draft_tokens: list[int] = field(default_factory=list)
     # (row in seqs, first token of its chunk, count): chunk tokens whose logits prompt logprobs need.
     prompt_logit_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
@@ -36,10 +39,15 @@ class StepScheduler:
     sequence computes up to `num_tokens - num_computed_tokens` tokens, as the budget allows.
     """
 
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator) -> None:
+    def __init__(
+        self, config: EngineConfig, allocator: BlockAllocator, max_model_len: int | None = None
+    ) -> None:
         self.config = config
         self.allocator = allocator
         self.block_size = allocator.block_size
+        self.max_model_len = max_model_len
+        spec = config.speculative_config
+        self.speculator = NgramSpeculator(spec) if spec is not None else None
         # Both lists stay sorted by Sequence.sort_key, so the tail of `running` is the preemption victim.
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -59,6 +67,9 @@ class StepScheduler:
         budget = self.config.max_num_batched_tokens
         num_preemptions = self.num_preemptions
         budget = self._schedule_running(out, budget)
+        out.num_draft_tokens = [0] * len(out.seqs)
+        if self.speculator is not None and len(out.seqs) < self.speculator.config.disable_by_batch_size:
+            budget = self._add_drafts(out, budget)
         # NOTE: after a preemption the pool is full; admitting now would only readmit the victim and
         # recompute what it just dropped.
         if self.num_preemptions == num_preemptions:
@@ -87,6 +98,68 @@ class StepScheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _add_drafts(self, out: StepSchedule, budget: int) -> int:
+        """Give each decoding sequence its drafts to verify, as the budget and the free blocks allow (a draft
+        never preempts anything: without blocks to spare, only the slots its last block has left)."""
+        assert self.speculator is not None
+        for i, seq in enumerate(out.seqs):
+            if budget <= 0:
+                break
+            if out.num_new_tokens[i] != 1 or not self._may_draft(seq):
+                continue
+            limit = budget
+            if seq.params.max_tokens is not None:
+                limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if self.max_model_len is not None:
+                limit = min(limit, self.max_model_len - seq.num_tokens - 1)
+            if limit <= 0:
+                continue
+            seq.spec, drafts = self.speculator.propose(seq.spec, seq.token_ids, limit)
+            if drafts and seq.matcher is not None:  # the grammar checks the proposal first
+                drafts = drafts[: seq.matcher.validate_tokens(drafts)]
+            if not drafts:
+                continue
+            end = seq.num_tokens  # the last token's slot is allocated already
+            need = self.allocator.num_blocks_to_append(seq.block_table, end, end + len(drafts))
+            if not self.allocator.can_allocate(need):
+                drafts = drafts[: len(seq.block_table) * self.block_size - end]
+                if not drafts:
+                    continue
+            out.copy_pairs += self.allocator.append_slots(seq.block_table, end, end + len(drafts))
+            seq.draft_token_ids = drafts
+            out.num_new_tokens[i] += len(drafts)
+            out.num_draft_tokens[i] = len(drafts)
+            budget -= len(drafts)
+        return budget
+
+    @staticmethod
+    def _may_draft(seq: Sequence) -> bool:
+        """A sample decoding one token at a time (no beams, no sibling still to fork)."""
+        return (
+            seq.num_output_tokens > 0
+            and seq.num_computed_tokens == seq.num_tokens - 1
+            and not seq.params.use_beam_search
+            and seq.num_pending_forks == 0
+        )
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After a verify: the accepted drafts are computed tokens now; the rejected ones' slots are rolled
+        back (the blocks past the sequence's tokens go back to the pool; the slots left in its last block are
+        written over later, and only blocks full of accepted tokens enter the prefix cache)."""
+        num_draft = len(seq.draft_token_ids)
+        seq.draft_token_ids = []
+        if seq.spec is not None and self.speculator is not None:
+            self.speculator.observe(seq.spec, num_draft, num_accepted)
+        if seq.is_finished:
+            return  # its blocks are back in the pool
+        seq.num_computed_tokens += num_accepted
+        self._cache_full_blocks(seq)
+        keep = -(-seq.num_tokens // self.block_size)
+        if len(seq.block_table) > keep:
+            tail = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.allocator.free(tail)
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int) -> bool:
         """Preempt from the tail of `running` until `seq` can grow by num_new tokens; False if seq went."""
@@ -135,6 +208,7 @@ class StepScheduler:
             in_flight |= self._next_block_hashes(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
+            out.num_draft_tokens.append(0)
             budget -= num_new
 
     def _first_scheduled(self, seq: Sequence) -> None:
@@ -190,14 +264,17 @@ class StepScheduler:
 
     def update_computed(self, out: StepSchedule) -> None:
         """After the forward pass: advance num_computed_tokens and publish newly full blocks to the cache."""
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += num_new
-            num_full = seq.num_computed_tokens // self.block_size
-            if num_full > seq.num_cached_blocks:
-                seq.last_block_hash = self.allocator.cache_full_blocks(
-                    seq.block_table, seq.token_ids, seq.num_cached_blocks, num_full, seq.last_block_hash
-                )
-                seq.num_cached_blocks = num_full
+        for seq, num_new, num_draft in zip(out.seqs, out.num_new_tokens, out.num_draft_tokens):
+            seq.num_computed_tokens += num_new - num_draft  # drafts count once accepted (accept_drafts)
+            self._cache_full_blocks(seq)
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full > seq.num_cached_blocks:
+            seq.last_block_hash = self.allocator.cache_full_blocks(
+                seq.block_table, seq.token_ids, seq.num_cached_blocks, num_full, seq.last_block_hash
+            )
+            seq.num_cached_blocks = num_full
 
     def fork(self, parent: Sequence, seq_id: int, index: int) -> Sequence:
         """A new running sample sharing every block of `parent` (written later through copy-on-write)."""
