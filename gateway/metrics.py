@@ -232,6 +232,7 @@ class ClusterCollector:
             "Sequences a worker preempted (freed their blocks, to recompute them later).",
             lambda b: b.num_preemptions,
         )
+        yield from _spec_decode_metrics(beats, labels)
         iteration = HistogramMetricFamily(
             "vllm:iteration_tokens_total",
             "Tokens per engine step of a worker: prompt tokens computed plus tokens sampled.",
@@ -337,3 +338,34 @@ def render(registry: WorkerRegistry, model_name: str, batches: BatchStore | None
         collectors.register(_Local())  # type: ignore[arg-type]
     collectors.register(ClusterCollector(registry, model_name, batches))  # type: ignore[arg-type]
     return generate_latest(collectors), CONTENT_TYPE_LATEST
+
+
+def _spec_decode_metrics(beats: list[Heartbeat], labels: list[str]) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters, from the workers that speculate (none when it is off)."""
+    speculating = [b for b in beats if b.spec_decode_num_accepted_tokens_per_pos]
+    for name, documentation, value in (
+        ("vllm:spec_decode_num_drafts", "Verifies of draft tokens a worker ran.", "spec_decode_num_drafts"),
+        (
+            "vllm:spec_decode_num_draft_tokens",
+            "Draft tokens a worker verified.",
+            "spec_decode_num_draft_tokens",
+        ),
+        (
+            "vllm:spec_decode_num_accepted_tokens",
+            "Draft tokens a worker accepted.",
+            "spec_decode_num_accepted_tokens",
+        ),
+    ):
+        metric = CounterMetricFamily(name, documentation, labels=labels)
+        for beat in speculating:
+            metric.add_metric([beat.model, beat.worker_id], float(getattr(beat, value)))
+        yield metric
+    per_position = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens a worker accepted, by their position among the drafts (0: the first).",
+        labels=[*labels, "position"],
+    )
+    for beat in speculating:
+        for position, count in enumerate(beat.spec_decode_num_accepted_tokens_per_pos):
+            per_position.add_metric([beat.model, beat.worker_id, str(position)], float(count))
+    yield per_position

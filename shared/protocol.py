@@ -260,6 +260,11 @@ class Heartbeat(WireModel):
         default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
     )
     iteration_tokens_sum: int = 0
+    # Speculative decoding since the worker started: verifies, draft tokens, accepted ones (and by position).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = Field(default_factory=list)
     dtype: str = ""
     device: str = ""
     # Stopping: it takes no new requests (the admit script refuses it) and finishes those it holds.

@@ -19,6 +19,7 @@ from gpu_worker.engine.request_checks import EngineLimits, check_request
 from gpu_worker.engine.sampler import Sampler, SamplerOutput
 from gpu_worker.engine.sampling_params import SamplingParams
 from gpu_worker.engine.sequence import Sequence
+from gpu_worker.engine.speculative import SpecDecodeStats
 from gpu_worker.engine.step_metrics import EngineStats, IterationTokens
 from gpu_worker.engine.step_scheduler import StepSchedule, StepScheduler
 from gpu_worker.engine.structured_output import GrammarCache, advance
@@ -292,6 +293,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bs = self.config.block_size
+        speculator = self.step_scheduler.speculator
+        spec = speculator.stats if speculator is not None else SpecDecodeStats()
         filled: dict[int, int] = {}
         for seq in self.step_scheduler.running:
             for i, block in enumerate(seq.block_table):
@@ -312,6 +315,10 @@ class LLMEngine:
             prefix_cache_hits=self.step_scheduler.num_prefix_cache_hits,
             iteration_tokens_buckets=self.iteration_tokens.cumulative(),
             iteration_tokens_sum=self.iteration_tokens.total,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )
 
 

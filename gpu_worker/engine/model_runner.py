@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Protocol
 
 import torch
@@ -101,7 +102,7 @@ class ModelRunner:
             starts.append(start)
             seq_lens.append(start + num_new)
         meta, positions = self._metadata(out, starts, seq_lens)
-        query_start_loc = meta.query_start_loc.tolist()
+        query_start_loc = list(itertools.accumulate(out.num_new_tokens, initial=0))
         keep: list[int] = []
         for i in sample_rows:
             end = query_start_loc[i + 1]
@@ -137,14 +138,52 @@ class ModelRunner:
         positions = torch.tensor(starts, device=device)[seq_index] + offsets
         blocks = block_table[seq_index, positions // self.block_size].long()
         slot_mapping = blocks * self.block_size + positions % self.block_size
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        if any(1 < n <= MAX_TOKENS_AS_DECODES for n in out.num_new_tokens):
+            block_table, seq_lens_t, query_start_loc = _short_chunks_as_decodes(
+                out.num_new_tokens, starts, block_table
+            )
         meta = AttentionMetadata(
             kv_caches=self.kv_cache.layers,
             slot_mapping=slot_mapping,
             block_table=block_table,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            seq_lens=seq_lens_t,
             query_start_loc=query_start_loc,
         )
         return meta, positions
+
+
+# A chunk of at most this many tokens (drafts to verify, a short prompt) attends as that many one-token rows.
+MAX_TOKENS_AS_DECODES = 16
+
+
+def _short_chunks_as_decodes(
+    num_new_tokens: list[int], starts: list[int], block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention rows of a step whose short chunks are split into one row per token: token j of a chunk
+    that starts at position s is a decode over the sequence's blocks with s + j + 1 tokens of context (its
+    K/V and those of the chunk before it are written first, so this is the causal mask). The decode kernel
+    runs them, where the chunk would go through the pure-torch prefill. Returns the rows' block tables,
+    context lengths and query starts, in the step's token order."""
+    row_seq: list[int] = []
+    row_len: list[int] = []
+    row_tokens: list[int] = []
+    for i, (n, start) in enumerate(zip(num_new_tokens, starts)):
+        if 1 < n <= MAX_TOKENS_AS_DECODES:
+            row_seq += [i] * n
+            row_len += range(start + 1, start + n + 1)
+            row_tokens += [1] * n
+        else:
+            row_seq.append(i)
+            row_len.append(start + n)
+            row_tokens.append(n)
+    device = block_table.device
+    query_start_loc = torch.tensor(list(itertools.accumulate(row_tokens, initial=0)), dtype=torch.int32)
+    return (
+        block_table[torch.tensor(row_seq, device=device)],
+        torch.tensor(row_len, dtype=torch.int32, device=device),
+        query_start_loc.to(device),
+    )
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

@@ -47,6 +47,12 @@ class EngineStats:
     prefix_cache_hits: int  # ... and found there
     iteration_tokens_buckets: list[int]  # cumulative, per ITERATION_TOKENS_BUCKETS bound, then all steps
     iteration_tokens_sum: int
+    # Speculative decoding, since start (all 0 with it off): verifies, draft tokens, accepted ones, and
+    # accepted ones by draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
     @property
     def slot_utilization(self) -> float:

@@ -131,6 +131,31 @@ def test_worker_figures_are_labelled_per_worker(client, r, keys) -> None:
     assert expected.items() <= dict(info[0]).items()
 
 
+def test_speculative_decoding_counters_are_vllms(client, r, keys) -> None:
+    register(
+        r,
+        keys,
+        beat(
+            "w0",
+            spec_decode_num_drafts=10,
+            spec_decode_num_draft_tokens=40,
+            spec_decode_num_accepted_tokens=25,
+            spec_decode_num_accepted_tokens_per_pos=[9, 7, 5, 4],
+        ),
+    )
+    register(r, keys, beat("w1"))  # speculation off: no figures of its own
+    text = client.get("/metrics").get_data(as_text=True)
+    assert value(text, "vllm:spec_decode_num_drafts_total", worker="w0") == 10
+    assert value(text, "vllm:spec_decode_num_draft_tokens_total", worker="w0") == 40
+    assert value(text, "vllm:spec_decode_num_accepted_tokens_total", worker="w0") == 25
+    per_position = [
+        value(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", worker="w0", position=str(i))
+        for i in range(4)
+    ]
+    assert per_position == [9, 7, 5, 4]
+    assert ("vllm:spec_decode_num_drafts_total", (("model_name", MODEL), ("worker", "w1"))) not in samples(text)
+
+
 def answer(r: redis.Redis, keys: Keys, request: GenerateRequest, token_ids: list[int]) -> None:
     """Play the worker: every sample gets token_ids in one event that ends it, with its timings."""
     for index in request.sample_indices():
