@@ -103,6 +103,7 @@ class StepScheduler:
         """Give each decoding sequence its drafts to verify, as the budget and the free blocks allow (a draft
         never preempts anything: without blocks to spare, only the slots its last block has left)."""
         assert self.speculator is not None
+        self.speculator.begin_step(len(out.seqs))
         for i, seq in enumerate(out.seqs):
             if budget <= 0:
                 break

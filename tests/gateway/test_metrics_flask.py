@@ -153,7 +153,9 @@ def test_speculative_decoding_counters_are_vllms(client, r, keys) -> None:
         for i in range(4)
     ]
     assert per_position == [9, 7, 5, 4]
-    assert ("vllm:spec_decode_num_drafts_total", (("model_name", MODEL), ("worker", "w1"))) not in samples(text)
+    assert ("vllm:spec_decode_num_drafts_total", (("model_name", MODEL), ("worker", "w1"))) not in samples(
+        text
+    )
 
 
 def answer(r: redis.Redis, keys: Keys, request: GenerateRequest, token_ids: list[int]) -> None:

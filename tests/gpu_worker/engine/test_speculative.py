@@ -305,3 +305,16 @@ def chi2_survival(x: float, dof: int) -> float:
         total += term
     lower = math.exp(-z + s * math.log(z) - math.lgamma(s)) * total if z > 0 else 0.0
     return max(0.0, 1.0 - lower)
+
+
+def test_drafts_per_step_follow_acceptance() -> None:
+    state = SpecState(NgramIndex(2, 4))
+    state.acceptance = 0.9
+    assert state.num_drafts(4) == 4
+    state.acceptance = 0.3
+    assert 1 <= state.num_drafts(4) < 4
+    state.acceptance = 0.1
+    assert state.num_drafts(4) == 1
+    assert state.num_drafts(4, cost=0.2) == 0  # in a batch of 4, one draft costs more than it brings
+    state.acceptance = 0.9
+    assert state.num_drafts(4, cost=0.2) == 4
