@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from gpu_worker import LLM, SamplingParams
+from gpu_worker.engine.speculative import NgramIndex, SpecState
 from gpu_worker.service import WorkerService
 from gpu_worker.settings import WorkerSettings
 from scheduler_svc.queue import QueuedRequest
@@ -456,3 +457,56 @@ def test_kv_events_name_evicted_blocks_and_a_rejoin_rewrites_the_set(worker: Wor
     assert {int(h) for h in client.smembers(keys.kv_blocks("w1"))} == held
     last = KVEvent.read(client.xrevrange(keys.kv_events("w1"), count=1)[0][1])
     assert last.reset and last.seq == entries[-1].seq + 1
+
+
+def test_a_step_that_accepts_drafts_streams_them_in_one_event(
+    tiny_model_path: str, redis_url: str, redis_prefix: str, offline: LLM
+) -> None:
+    """With speculation on, drafts that the model accepts arrive as one event of several tokens, at their
+    positions; the record, the heartbeat's counters and the text are those of the plain run."""
+    settings = WorkerSettings(
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+        model=tiny_model_path,
+        dtype="float32",
+        worker_id="w1",
+        num_kv_blocks=64,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    service = WorkerService(settings)
+    service.register()
+    expected = greedy(offline, PROMPT, 12)
+    speculator = service.engine.step_scheduler.speculator
+    assert speculator is not None
+
+    def propose(state: SpecState | None, token_ids: list[int], limit: int) -> tuple[SpecState, list[int]]:
+        # The plain run's next tokens, the third of them wrong: a rejection follows two acceptances.
+        done = len(token_ids) - len(PROMPT)
+        drafts = expected[done : done + min(limit, 3)]
+        return state or SpecState(NgramIndex(1, 1)), [*drafts[:2], *(t + 1 for t in drafts[2:])]
+
+    speculator.propose = propose  # type: ignore[method-assign]
+    try:
+        client, keys = service.redis, service.keys
+        pubsub = subscribe(client, keys, "r1")
+        assign(client, keys, request("r1", logprobs=1))
+        events = collect(service, pubsub, 1)
+        tokens = [t for e in events for t in e.token_ids]
+        assert tokens == expected
+        assert max(len(e.token_ids) for e in events) == 3  # two drafts accepted and the token at the third
+        assert [e.start for e in events] == [
+            sum(len(x.token_ids) for x in events[:i]) for i in range(len(events))
+        ]
+        assert all(len(e.logprobs or []) == len(e.token_ids) for e in events)
+        assert [int(t) for t in client.lrange(keys.tokens("r1", 0), 0, -1)] == tokens
+        service.heartbeat()
+        beat = Heartbeat.from_hash(client.hgetall(keys.worker("w1")))
+        assert beat.generation_tokens_total == 12 and beat.spec_decode_num_accepted_tokens > 0
+        assert (
+            beat.spec_decode_num_accepted_tokens_per_pos[2]
+            == 0
+            < beat.spec_decode_num_accepted_tokens_per_pos[1]
+        )
+    finally:
+        service.aborts.close()
+    assert service.engine.stats().num_free_blocks == 64

@@ -202,6 +202,21 @@ def test_smollm2_preemption_and_chunked_prefill(
 
 
 @pytest.mark.slow
+def test_smollm2_with_ngram_speculation_matches_transformers(
+    smollm2_path: str, smollm2_prompts: list[list[int]], smollm2_reference: list[list[int]]
+) -> None:
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+    llm = LLM(smollm2_path, dtype="float32", num_kv_blocks=512, block_size=16, speculative_config=spec)
+    # Batched together, then each alone (where drafts pay most, so most are proposed).
+    assert token_ids(llm.generate(smollm2_prompts, GREEDY, use_tqdm=False)) == smollm2_reference
+    for prompt, reference in zip(smollm2_prompts, smollm2_reference):
+        assert token_ids(llm.generate([prompt], GREEDY, use_tqdm=False)) == [reference]
+    stats = llm.stats
+    assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
+    assert_pool_drained(llm)
+
+
+@pytest.mark.slow
 def test_smollm2_answers_paris(smollm2_llm: LLM) -> None:
     out = smollm2_llm.chat("What is the capital of France?", SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in out[0].outputs[0].text
