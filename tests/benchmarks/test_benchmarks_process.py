@@ -49,6 +49,23 @@ def test_tool_calls_smoke(tiny_model_path: str, tmp_path: Path) -> None:
     assert results["decode_ratio@1"] > 0 and (tmp_path / "tool_calls.png").stat().st_size > 0
 
 
+def test_speculative_smoke(tiny_model_path: str, tmp_path: Path) -> None:
+    out = tmp_path / "speculative.json"
+    script = REPO / "benchmarks" / "speculative.py"
+    subprocess.run(
+        [sys.executable, str(script), "--smoke", "--model", tiny_model_path, "--json", str(out),
+         "--plot", str(tmp_path / "speculative.png")],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert results["identical_outputs"] is True
+    for workload in ("grounded", "free"):
+        off, on = results["median"][f"{workload}@1/off"], results["median"][f"{workload}@1/on"]
+        assert off["output_tokens"] == on["output_tokens"] > 0 and on["output_tokens_per_s"] > 0
+        assert off["tokens_per_step"] == 1.0 and off["acceptance"] == 0.0
+    assert (tmp_path / "speculative.png").stat().st_size > 0
+
+
 def test_serving_one_command_smoke(
     tiny_model_path: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
