@@ -27,7 +27,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from workloads import benchmark_parser, make_workload, median, percentile, save_figure
+from workloads import benchmark_parser, make_workload, median, percentile, save_figure, write_json
 
 from gateway.serving.tokenization import Tokenizer
 from gpu_worker import LLM, LLMEngine, SamplingParams
@@ -51,7 +51,7 @@ def describe(item):
 WORKLOADS: dict[str, list[str]] = {
     "grounded": [
         f"Rewrite this passage, word for word, but with 'river' replaced by 'stream':\n\n{PASSAGE}",
-        f"Rename the function total_price to order_total in this file and give back the whole file:\n\n{CODE}",
+        f"Rename total_price to order_total in this file and give back the whole file:\n\n{CODE}",
         f"Quote this paragraph exactly, then say in one line what it is about:\n\n{PASSAGE}",
         f"Add a docstring to each function of this file and give back the whole file:\n\n{CODE}",
     ],
@@ -63,6 +63,16 @@ WORKLOADS: dict[str, list[str]] = {
     ],
 }
 MODES = ("off", "on")
+DEFAULT_SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+}
+HEADER = (
+    "| workload | batch | speculation | output tok/s | ratio "
+    "| ITL p50 ms | ITL p99 ms | acceptance | tok/step |"
+)
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], tag: str, max_tokens: int) -> dict[str, Any]:
@@ -167,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--speculative-config",
-        default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+        default=json.dumps(DEFAULT_SPEC),
     )
     parser.add_argument("--w2-scale", type=float, default=0.5, help="W2's scale (0: skip W2)")
     parser.add_argument("--w2-repeats", type=int, default=2)
@@ -215,9 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
     }
     print(f"speculative_config {spec}; medians of {args.repeats} repeats; outputs identical: {identical}")
-    print(
-        "| workload | batch | speculation | output tok/s | ratio | ITL p50 ms | ITL p99 ms | acceptance | tokens/step |"
-    )
+    print(HEADER)
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for w in WORKLOADS:
         for b in batches:
@@ -227,18 +235,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ratio = s["output_tokens_per_s"] / base
                 results.setdefault("ratio", {})[f"{w}@{b}"] = ratio
                 acceptance = f"{s['acceptance']:.2f}" if mode == "on" else ""
+                itl = f"{s['itl_p50_ms']:.1f} | {s['itl_p99_ms']:.1f}"
                 print(
-                    f"| {w} | {b} | {mode} | {s['output_tokens_per_s']:.1f} | {ratio:.2f}x | "
-                    f"{s['itl_p50_ms']:.1f} | {s['itl_p99_ms']:.1f} | {acceptance} | {s['tokens_per_step']:.2f} |"
+                    f"| {w} | {b} | {mode} | {s['output_tokens_per_s']:.1f} | {ratio:.2f}x | {itl} | "
+                    f"{acceptance} | {s['tokens_per_step']:.2f} |"
                 )
     if args.w2_scale > 0:
         results["w2"] = w2 = w2_ratio(args, spec)
+        rates = w2["tokens_per_s"]
         print(
-            f"W2 (scale {args.w2_scale}, {args.w2_repeats} repeats): {w2['tokens_per_s']['off']:.0f} tok/s off, "
-            f"{w2['tokens_per_s']['on']:.0f} on: {w2['ratio']:.3f}x"
+            f"W2 (scale {args.w2_scale}, {args.w2_repeats} repeats): {rates['off']:.0f} tok/s off, "
+            f"{rates['on']:.0f} on: {w2['ratio']:.3f}x"
         )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(results, args.json)
     plot(results, Path(args.plot))
     return results
 

@@ -25,17 +25,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # A sequence's acceptance is its running estimate of the chance that a draft is right when those before it
 # were (the newest verify weighs ACCEPTANCE_WEIGHT). Below MIN_ACCEPTANCE it pauses its drafts, for a pause
-# that doubles with each failure up to MAX_PAUSE_STEPS.
+# that doubles with each failure up to MAX_PAUSE_STEPS, and halves with each verify that pays.
 INITIAL_ACCEPTANCE = 0.6
-MIN_ACCEPTANCE = 0.2
+MIN_ACCEPTANCE = 0.3
 ACCEPTANCE_WEIGHT = 0.5
 MAX_PAUSE_STEPS = 64
-# What one more draft adds to a step's time, as a fraction of a one-token step: measured on the CPU
-# (SmolLM2-135M, fp32, batch 1: four drafts make a step about 20% longer). In a batch of b sequences a
+# What one more draft adds to a step's time, as a fraction of a one-token step: on the CPU (SmolLM2-135M,
+# fp32, batch 1) four drafts make a step 20 to 25% longer, and the verify's own work (the sampler once per
+# position) adds to that. In a batch of b sequences a
 # draft is weighed against the step's b tokens, so it costs b times as much to each: a sequence drafts as many
 # tokens as maximise the tokens it is expected to get per unit of step time, and none where even one costs
 # more than it is expected to bring (acceptance below b * DRAFT_COST).
-DRAFT_COST = 0.05
+DRAFT_COST = 0.08
 
 
 class SpeculativeConfig(BaseModel):
@@ -110,13 +111,13 @@ class SpecState:
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """After a verify: each draft up to the first rejected one was a trial. Pause when acceptance has
-        fallen low; a verify that paid makes the next pause short again."""
+        fallen low; a verify that paid halves the next pause."""
         trials = num_accepted + (num_accepted < num_draft)
         rate = num_accepted / trials
         self.acceptance = (1 - ACCEPTANCE_WEIGHT) * self.acceptance + ACCEPTANCE_WEIGHT * rate
         if self.acceptance >= MIN_ACCEPTANCE:
             if rate >= MIN_ACCEPTANCE:
-                self.next_pause = 2
+                self.next_pause = max(2, self.next_pause // 2)
             return
         self.paused_for = self.next_pause
         self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)

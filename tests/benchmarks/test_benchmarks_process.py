@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -34,15 +35,20 @@ def test_offline_throughput_smoke(tiny_model_path: str, tmp_path: Path) -> None:
     assert rows["static generate() batch=2"]["speedup_vs_best_static"] == 1.0
 
 
-def test_tool_calls_smoke(tiny_model_path: str, tmp_path: Path) -> None:
-    out = tmp_path / "tool_calls.json"
-    script = REPO / "benchmarks" / "tool_calls.py"
+def smoke_run(name: str, model: str, tmp_path: Path) -> dict[str, Any]:
+    """benchmarks/<name>.py --smoke on model, as a process; its JSON (its plot beside it, as <name>.png)."""
+    out = tmp_path / f"{name}.json"
     subprocess.run(
-        [sys.executable, str(script), "--smoke", "--model", tiny_model_path, "--json", str(out),
-         "--plot", str(tmp_path / "tool_calls.png")],
+        [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--smoke", "--model", model,
+         "--json", str(out), "--plot", str(tmp_path / f"{name}.png")],
         check=True, capture_output=True,
     )  # fmt: skip
-    results = json.loads(out.read_text())
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_tool_calls_smoke(tiny_model_path: str, tmp_path: Path) -> None:
+    results = smoke_run("tool_calls", tiny_model_path, tmp_path)
     free, call = results["median"]["free@1"], results["median"]["call@1"]
     assert free["output_tokens"] == 24 and 0 < call["output_tokens"] <= 24
     assert call["first_argument_s"] > call["ttft_s"] > 0  # the call's name comes before its arguments
@@ -50,14 +56,7 @@ def test_tool_calls_smoke(tiny_model_path: str, tmp_path: Path) -> None:
 
 
 def test_speculative_smoke(tiny_model_path: str, tmp_path: Path) -> None:
-    out = tmp_path / "speculative.json"
-    script = REPO / "benchmarks" / "speculative.py"
-    subprocess.run(
-        [sys.executable, str(script), "--smoke", "--model", tiny_model_path, "--json", str(out),
-         "--plot", str(tmp_path / "speculative.png")],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    results = json.loads(out.read_text())
+    results = smoke_run("speculative", tiny_model_path, tmp_path)
     assert results["identical_outputs"] is True
     for workload in ("grounded", "free"):
         off, on = results["median"][f"{workload}@1/off"], results["median"][f"{workload}@1/on"]

@@ -68,11 +68,11 @@ def test_a_sequence_whose_drafts_fail_pauses_longer_each_time() -> None:
         pauses.append(steps)
     # One failure from a fresh start does not pause it; then each pause is twice the last, up to the most.
     assert pauses == [0, 2, 4, 8, 16, 32, MAX_PAUSE_STEPS, MAX_PAUSE_STEPS]
-    speculator.observe(state, 3, 3)  # a verify that paid: the next failures pause it briefly again
+    speculator.observe(state, 3, 3)  # a verify that paid: the next failures pause it half as long
     speculator.observe(state, 3, 0)
     assert state.paused_for == 0
     speculator.observe(state, 3, 0)
-    assert state.paused_for == 2
+    assert state.paused_for == MAX_PAUSE_STEPS // 2
     assert speculator.stats.num_drafts == 11 and speculator.stats.num_accepted_tokens == 3
     assert speculator.stats.accepted_per_position == [1, 1, 1]
 
