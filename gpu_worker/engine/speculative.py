@@ -10,10 +10,13 @@ p(d) = min(1, p(d) / q(d)), and a rejected one is replaced by a draw from p with
 norm(max(0, p - q)). Every token therefore has exactly the distribution it has without speculation, and a
 seeded request, whose draws depend on its seed and the token's position only, gets the same tokens.
 
-When it does not pay it is off: per sequence, the number of drafts follows its acceptance (as many as pay
-best, DRAFT_COST each); after drafts that were mostly rejected it pauses (longer each time it fails again);
-and no sequence drafts in a step whose batch holds disable_by_batch_size sequences or more (there the extra
-tokens cost compute the batch no longer has to spare).
+When it does not pay it is off. Per sequence, the number of drafts follows its acceptance: as many as
+maximise the tokens a step is expected to yield per unit of its time, DRAFT_COST each, and none where one
+costs more than it brings. The acceptance is learnt from every verify, and also while the sequence does not
+draft: the proposal it would have made is compared with the token that came (a shadow trial, free), so a
+sequence whose text starts repeating its input drafts again within a few steps, and one writing free prose
+stops verifying at all. And no sequence drafts in a step whose batch holds disable_by_batch_size sequences or
+more (there the extra tokens cost compute the batch no longer has to spare).
 """
 
 from __future__ import annotations
@@ -24,19 +27,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # A sequence's acceptance is its running estimate of the chance that a draft is right when those before it
-# were (the newest verify weighs ACCEPTANCE_WEIGHT). Below MIN_ACCEPTANCE it pauses its drafts, for a pause
-# that doubles with each failure up to MAX_PAUSE_STEPS, and halves with each verify that pays.
+# were: the newest verify weighs ACCEPTANCE_WEIGHT, the newest shadow trial SHADOW_WEIGHT.
 INITIAL_ACCEPTANCE = 0.6
-MIN_ACCEPTANCE = 0.3
 ACCEPTANCE_WEIGHT = 0.5
-MAX_PAUSE_STEPS = 64
+SHADOW_WEIGHT = 0.3
 # What one more draft adds to a step's time, as a fraction of a one-token step: on the CPU (SmolLM2-135M,
-# fp32, batch 1) four drafts make a step 20 to 25% longer, and the verify's own work (the sampler once per
-# position) adds to that. In a batch of b sequences a
-# draft is weighed against the step's b tokens, so it costs b times as much to each: a sequence drafts as many
-# tokens as maximise the tokens it is expected to get per unit of step time, and none where even one costs
-# more than it is expected to bring (acceptance below b * DRAFT_COST).
-DRAFT_COST = 0.08
+# fp32, batch 1) one draft makes a step 2% longer and four 20 to 25%, and the verify's own work (the sampler
+# once per position) adds to that. In a batch of b sequences a draft is weighed against the step's b tokens,
+# so it costs b times as much to each: with acceptance below b * DRAFT_COST a sequence does not draft.
+DRAFT_COST = 0.1
 
 
 class SpeculativeConfig(BaseModel):
@@ -90,12 +89,13 @@ class NgramIndex:
 
 @dataclass(slots=True)
 class SpecState:
-    """One sequence's speculation: its n-gram index, its acceptance and its pause."""
+    """One sequence's speculation: its n-gram index, its acceptance, and the draft it would have verified in
+    its last step had it drafted (its shadow: the token and the position it was for)."""
 
     index: NgramIndex
     acceptance: float = INITIAL_ACCEPTANCE
-    paused_for: int = 0  # steps left without drafts
-    next_pause: int = 2  # the pause after the next failure (doubles up to MAX_PAUSE_STEPS)
+    shadow: int | None = None
+    shadow_at: int = 0
 
     def num_drafts(self, most: int, cost: float = DRAFT_COST) -> int:
         """How many drafts pay best at this acceptance a, each costing `cost` of a step: the k in [0, most]
@@ -110,18 +110,18 @@ class SpecState:
         return best
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
-        """After a verify: each draft up to the first rejected one was a trial. Pause when acceptance has
-        fallen low; a verify that paid halves the next pause."""
+        """After a verify: each draft up to the first rejected one was a trial."""
         trials = num_accepted + (num_accepted < num_draft)
-        rate = num_accepted / trials
-        self.acceptance = (1 - ACCEPTANCE_WEIGHT) * self.acceptance + ACCEPTANCE_WEIGHT * rate
-        if self.acceptance >= MIN_ACCEPTANCE:
-            if rate >= MIN_ACCEPTANCE:
-                self.next_pause = max(2, self.next_pause // 2)
-            return
-        self.paused_for = self.next_pause
-        self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
-        self.acceptance = 1.5 * MIN_ACCEPTANCE  # on resuming, one more failure pauses it again
+        self._learn(num_accepted / trials, ACCEPTANCE_WEIGHT)
+
+    def score_shadow(self, token_ids: list[int]) -> None:
+        """Compare the shadow draft with the token that came in its place, once it has."""
+        if self.shadow is not None and len(token_ids) > self.shadow_at:
+            self._learn(float(token_ids[self.shadow_at] == self.shadow), SHADOW_WEIGHT)
+            self.shadow = None
+
+    def _learn(self, rate: float, weight: float) -> None:
+        self.acceptance = (1 - weight) * self.acceptance + weight * rate
 
 
 @dataclass(slots=True)
@@ -159,17 +159,19 @@ class NgramSpeculator:
     def propose(
         self, state: SpecState | None, token_ids: list[int], limit: int
     ) -> tuple[SpecState, list[int]]:
-        """The sequence's state (new on its first call) and at most `limit` draft tokens (none while it is
-        paused)."""
+        """The sequence's state (new on its first call) and at most `limit` draft tokens: none where they
+        do not pay, and then the first of them is kept as the shadow trial."""
         config = self.config
         if state is None:
             state = SpecState(NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max))
-        if state.paused_for > 0:
-            state.paused_for -= 1
+        state.score_shadow(token_ids)
+        num_drafts = state.num_drafts(min(limit, config.num_speculative_tokens), self.draft_cost)
+        drafts = state.index.propose(token_ids, max(num_drafts, 1))
+        if num_drafts == 0:
+            if drafts:
+                state.shadow, state.shadow_at = drafts[0], len(token_ids)
             return state, []
-        most = min(limit, config.num_speculative_tokens)
-        num_drafts = state.num_drafts(most, self.draft_cost)
-        return state, state.index.propose(token_ids, num_drafts) if num_drafts else []
+        return state, drafts
 
     def observe(self, state: SpecState, num_draft: int, num_accepted: int) -> None:
         state.observe(num_draft, num_accepted)
