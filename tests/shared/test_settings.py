@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -104,10 +105,11 @@ def test_the_engine_config_comes_from_the_worker_settings(monkeypatch: pytest.Mo
         "max_model_len": 100,
         "enable_prefix_caching": False,
         "seed": 42,
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
     }
     assert set(values) == set(EngineConfig.model_fields)
     for name, value in values.items():
-        monkeypatch.setenv(name.upper(), str(value))
+        monkeypatch.setenv(name.upper(), json.dumps(value) if isinstance(value, dict) else str(value))
     assert engine_config(parse_settings(WorkerSettings, [])) == EngineConfig(**values)
     assert engine_config(parse_settings(WorkerSettings, ["--seed", "5"])).seed == 5
     with pytest.raises(ValueError, match="block_size"):
