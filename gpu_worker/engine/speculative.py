@@ -32,7 +32,7 @@ INITIAL_ACCEPTANCE = 0.6
 ACCEPTANCE_WEIGHT = 0.5
 SHADOW_WEIGHT = 0.3
 # What one more draft adds to a step's time, as a fraction of a one-token step: on the CPU (SmolLM2-135M,
-# fp32, batch 1) one draft makes a step 2% longer and four 20 to 25%, and the verify's own work (the sampler
+# fp32, batch 1) a few drafts make a step a few tens of percent longer, and the verify's own work (the sampler
 # once per position) adds to that. In a batch of b sequences a draft is weighed against the step's b tokens,
 # so it costs b times as much to each: with acceptance below b * DRAFT_COST a sequence does not draft.
 DRAFT_COST = 0.1
