@@ -2,8 +2,9 @@
 
 Each op runs its CUDA kernel (kernels/csrc, built on first use) when its tensors are on a CUDA device, and its
 pure-torch twin from kernels.reference otherwise or where no kernel is compiled for the shape; both share one
-signature. On the CPU, decode attention in float32 and bfloat16 runs a C++ kernel (kernels/csrc/cpu, also
-built on first use) when a compiler is at hand. Callers never import reference or the extensions directly.
+signature. On the CPU, decode attention and the elementwise ops of a Llama-family layer (norms, SiLU-and-mul,
+rotary written into the cache) in float32 and bfloat16 run C++ kernels (kernels/csrc/cpu, also built on first
+use) when a compiler is at hand. Callers never import reference or the extensions directly.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ from torch import Tensor
 
 from kernels import reference
 
-__all__ = ["copy_blocks", "load", "paged_attention", "write_kv_cache"]
+__all__ = [
+    "add_rms_norm",
+    "copy_blocks",
+    "load",
+    "paged_attention",
+    "rms_norm",
+    "rotary_write_kv",
+    "silu_and_mul",
+    "write_kv_cache",
+]
 
 # Kept equal to PAGEDSERVE_FOR_EACH_HEAD_SIZE in csrc/paged_attention.h (a test compares them).
 DECODE_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
@@ -115,3 +125,55 @@ def copy_blocks(
         reference.copy_blocks(kv_cache, block_mapping)
         return
     ops.copy_blocks(kv_cache, block_mapping.to(device=kv_cache.device, dtype=torch.long))
+
+
+def _cpu_rows(*tensors: Tensor) -> Any | None:
+    """The CPU ops for these tensors, where each is contiguous in its last dimension; else None."""
+    ops = _cpu_ops(tensors[0])
+    return ops if ops is not None and all(t.stride(-1) == 1 for t in tensors) else None
+
+
+def rms_norm(out: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
+    """out = weight * x / rms(x) over the last dimension, as transformers' RMSNorm rounds it."""
+    ops = _cpu_rows(x, out, weight)
+    if ops is None or not (x.is_contiguous() and out.is_contiguous()):
+        reference.rms_norm(out, x, weight, eps)
+        return
+    ops.rms_norm(out, x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    """residual += x, then x = weight * residual / rms(residual): a layer's residual sum and the next norm."""
+    ops = _cpu_rows(x, residual, weight)
+    if ops is None or not (x.is_contiguous() and residual.is_contiguous()):
+        reference.add_rms_norm(x, residual, weight, eps)
+        return
+    ops.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(out: Tensor, gate_up: Tensor) -> None:
+    """out = silu(gate) * up, where each row of gate_up is [gate | up] (one matmul's output)."""
+    ops = _cpu_rows(gate_up, out)
+    if ops is None:
+        reference.silu_and_mul(out, gate_up)
+        return
+    ops.silu_and_mul(out, gate_up)
+
+
+def rotary_write_kv(
+    query: Tensor,  # [num_tokens, num_heads, head_size], rotated in place
+    key: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    cos: Tensor,  # [num_tokens, head_size]
+    sin: Tensor,  # [num_tokens, head_size]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Rotary position embedding of the query (in place) and of the key as it is written into its cache slot,
+    with the value beside it; a token whose slot is -1 is rotated and not written."""
+    ops = _cpu_rows(query, key, value, cos, sin, k_cache, v_cache)
+    if ops is None:
+        reference.rotary_write_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping)
+        return
+    ops.rotary_write_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping.long())

@@ -161,3 +161,47 @@ def copy_blocks(
     mapping = block_mapping.to(device=kv_cache.device, dtype=torch.long)
     # index_select gathers every source before any write, so chained pairs (a->b, b->c) read pre-copy data.
     kv_cache.index_copy_(2, mapping[:, 1], kv_cache.index_select(2, mapping[:, 0]))
+
+
+# The elementwise ops of a Llama-family layer, written as transformers' Llama modules compute them.
+
+
+def rms_norm(out: Tensor, x: Tensor, weight: Tensor, eps: float) -> None:
+    """out = weight * x / rms(x) over the last dimension (the statistics in float32)."""
+    row = x.float()
+    normed = row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + eps)
+    out.copy_(weight * normed.to(x.dtype))
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    """residual += x, then x = weight * residual / rms(residual)."""
+    residual.copy_(residual + x)
+    rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(out: Tensor, gate_up: Tensor) -> None:
+    """out = silu(gate) * up, where each row of gate_up is [gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    out.copy_(F.silu(gate) * up)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x * cos + rotate_half(x) * sin over each head of x [tokens, heads, head_size]; cos, sin [tokens, head_size]."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + turned * sin.unsqueeze(1)
+
+
+def rotary_write_kv(
+    query: Tensor,  # [num_tokens, num_heads, head_size], rotated in place
+    key: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    cos: Tensor,  # [num_tokens, head_size]
+    sin: Tensor,  # [num_tokens, head_size]
+    k_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Rotary position embedding of the query (in place) and of the key as it is written into the cache."""
+    query.copy_(rotate(query, cos, sin))
+    write_kv_cache(rotate(key, cos, sin), value, k_cache, v_cache, slot_mapping)

@@ -6,6 +6,8 @@ option has one name, one default and one description, whether it comes from `LLM
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpu_worker.engine.speculative import SpeculativeConfig
@@ -36,6 +38,11 @@ class EngineConfig(BaseModel):
     )
     enable_prefix_caching: bool = Field(default=True, description="share full blocks of common prefixes")
     seed: int = Field(default=0, description="seeds the sampling of requests that bring no seed of their own")
+    model_impl: Literal["auto", "pagedserve", "transformers"] = Field(
+        default="auto",
+        description="the model's forward: pagedserve's own for Llama-family models (auto: where it applies), "
+        "or transformers' modules with the paged attention",
+    )
     speculative_config: SpeculativeConfig | None = Field(
         default=None,
         description='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '

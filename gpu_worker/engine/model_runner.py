@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kernels
 from gpu_worker.engine.attention import AttentionMetadata
 from gpu_worker.engine.config import EngineConfig
 from gpu_worker.engine.kv_cache import KVCache
+from gpu_worker.engine.llama_forward import LlamaForward, unsupported_reason
 from gpu_worker.engine.model_loader import load_model, resolve_device, resolve_dtype
 from gpu_worker.engine.packed_linear import pack_linears
 from gpu_worker.engine.step_scheduler import StepSchedule
+
+logger = logging.getLogger(__name__)
 
 
 class StepRunner(Protocol):
@@ -45,9 +50,9 @@ class ModelRunner:
         kv_cache: KVCache,
         tokenizer: PreTrainedTokenizerBase | None = None,
         max_model_len: int | None = None,
+        model_impl: str = "auto",
     ) -> None:
-        pack_linears(model)
-        self.model = model
+        self.model: nn.Module = _forward_of(model, model_impl)
         self.kv_cache = kv_cache
         self.tokenizer = tokenizer
         self.block_size = kv_cache.block_size
@@ -83,7 +88,7 @@ class ModelRunner:
         kv_cache = KVCache(
             mc.num_hidden_layers, num_blocks, bs, num_kv_heads, head_size, torch_dtype, torch_device
         )
-        return cls(hf_model, kv_cache, tokenizer, config.max_model_len)
+        return cls(hf_model, kv_cache, tokenizer, config.max_model_len, config.model_impl)
 
     @torch.inference_mode()
     def run(self, out: StepSchedule, sample_rows: list[int]) -> torch.Tensor:
@@ -110,8 +115,11 @@ class ModelRunner:
         for i, first, count in out.prompt_logit_spans:
             keep += range(query_start_loc[i] + first, query_start_loc[i] + first + count)
         logits_indices = torch.tensor(keep, dtype=torch.long, device=self.device)
+        ids = torch.tensor(input_ids, device=self.device)
+        if isinstance(self.model, LlamaForward):
+            return self.model(ids, positions, meta, logits_indices)
         result = self.model(
-            input_ids=torch.tensor([input_ids], device=self.device),
+            input_ids=ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
             use_cache=False,
             paged_metadata=meta,
@@ -184,6 +192,20 @@ def _short_chunks_as_decodes(
         torch.tensor(row_len, dtype=torch.int32, device=device),
         query_start_loc.to(device),
     )
+
+
+def _forward_of(model: PreTrainedModel, model_impl: str) -> nn.Module:
+    """What runs the steps: pagedserve's Llama forward where it applies (model_impl auto or pagedserve), else
+    transformers' model with the paged attention; on the CPU, either with its linear layers packed."""
+    reason = unsupported_reason(model)
+    if model_impl == "pagedserve" and reason is not None:
+        raise ValueError(f"model_impl=pagedserve cannot run this model: {reason}")
+    if model_impl != "transformers" and reason is None:
+        return LlamaForward(model)
+    if model_impl == "auto":
+        logger.info("the model runs through transformers: %s", reason)
+    pack_linears(model)
+    return model
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

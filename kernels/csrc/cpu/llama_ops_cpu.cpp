@@ -1,0 +1,250 @@
+// The elementwise ops of a Llama-family layer on the CPU, each one pass over its rows where the transformers
+// code runs several ops and writes a tensor between each: torch.ops.pagedserve_cpu.{rms_norm, add_rms_norm,
+// silu_and_mul, rotary_write_kv}.
+//
+// Each rounds where transformers' modules round, so the results are the same numbers up to float summation
+// order: float32 throughout, and for bfloat16 a value rounded to bfloat16 wherever transformers keeps a
+// bfloat16 tensor (the residual sum, the normalized row before the weight, silu before the product, each
+// product of the rotary). Products and sums are kept apart (no fused multiply-add), as torch's own ops keep
+// them.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+#define PAGEDSERVE_CHECK(cond, ...) TORCH_CHECK(cond, "pagedserve: ", __VA_ARGS__)
+#define PAGEDSERVE_EXACT __attribute__((optimize("fp-contract=off")))
+
+// Rows are spread over threads only when there are enough of them to pay for waking the threads.
+constexpr int64_t kRowsPerTask = 4;
+
+// A value as transformers would have it stored in a tensor of T: a no-op for float.
+template <typename T>
+inline float stored(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+void check_rows(const Tensor& t, const char* name, at::ScalarType dtype) {
+  PAGEDSERVE_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  PAGEDSERVE_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  PAGEDSERVE_CHECK(t.dim() >= 1 && t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+template <typename T>
+PAGEDSERVE_EXACT void norm_row(T* out, const float* row, const T* weight, int64_t n, float eps) {
+  double squares = 0.0;  // in double: closer to the exact mean than any float order
+  for (int64_t d = 0; d < n; ++d) squares += static_cast<double>(row[d]) * row[d];
+  const float variance = static_cast<float>(squares / static_cast<double>(n));
+  const float inv = 1.f / std::sqrt(variance + eps);
+  for (int64_t d = 0; d < n; ++d) {
+    out[d] = static_cast<T>(static_cast<float>(weight[d]) * stored<T>(row[d] * inv));
+  }
+}
+
+// residual is null for the first norm of a model (no sum before it).
+template <typename T>
+PAGEDSERVE_EXACT void norm_rows(Tensor& out, const Tensor& x, Tensor* residual, const Tensor& weight,
+                                double eps) {
+  const int64_t rows = x.numel() / x.size(-1), n = x.size(-1);
+  const T* w = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const T* in = x.data_ptr<T>();
+  T* r = residual ? residual->data_ptr<T>() : nullptr;
+  const auto feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(n);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xi = in + i * n;
+      if (r) {
+        T* ri = r + i * n;
+        for (int64_t d = 0; d < n; ++d) {
+          ri[d] = static_cast<T>(static_cast<float>(ri[d]) + static_cast<float>(xi[d]));
+          row[d] = static_cast<float>(ri[d]);
+        }
+      } else {
+        for (int64_t d = 0; d < n; ++d) row[d] = static_cast<float>(xi[d]);
+      }
+      norm_row(o + i * n, row.data(), w, n, feps);
+    }
+  });
+}
+
+void check_norm(const Tensor& out, const Tensor& x, const Tensor& weight) {
+  const auto dtype = x.scalar_type();
+  PAGEDSERVE_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 rows, got ", dtype);
+  check_rows(x, "x", dtype);
+  check_rows(out, "out", dtype);
+  check_rows(weight, "weight", dtype);
+  PAGEDSERVE_CHECK(x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes(),
+                   "x and out must be contiguous tensors of one shape");
+  PAGEDSERVE_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [hidden_size]");
+}
+
+// out = weight * x / rms(x), in rows of x's last dimension.
+void rms_norm(Tensor& out, const Tensor& x, const Tensor& weight, double eps) {
+  check_norm(out, x, weight);
+  if (x.scalar_type() == at::kFloat) {
+    norm_rows<float>(out, x, nullptr, weight, eps);
+  } else {
+    norm_rows<c10::BFloat16>(out, x, nullptr, weight, eps);
+  }
+}
+
+// residual += x, then x = weight * residual / rms(residual): a layer's sum and the next norm in one pass.
+void add_rms_norm(Tensor& x, Tensor& residual, const Tensor& weight, double eps) {
+  check_norm(x, x, weight);
+  check_rows(residual, "residual", x.scalar_type());
+  PAGEDSERVE_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes(), "residual must be shaped as x");
+  if (x.scalar_type() == at::kFloat) {
+    norm_rows<float>(x, x, &residual, weight, eps);
+  } else {
+    norm_rows<c10::BFloat16>(x, x, &residual, weight, eps);
+  }
+}
+
+template <typename T>
+PAGEDSERVE_EXACT void silu_mul_rows(Tensor& out, const Tensor& gate_up) {
+  const int64_t rows = out.size(0), n = out.size(1);
+  const T* in = gate_up.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t in_row = gate_up.stride(0), out_row = out.stride(0);
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* gate = in + i * in_row;
+      const T* up = gate + n;
+      T* oi = o + i * out_row;
+      for (int64_t d = 0; d < n; ++d) {
+        const float g = static_cast<float>(gate[d]);
+        const float act = stored<T>(g / (1.f + std::exp(-g)));
+        oi[d] = static_cast<T>(act * static_cast<float>(up[d]));
+      }
+    }
+  });
+}
+
+// out = silu(gate) * up, where gate_up holds [gate | up] in each row (one matmul's output).
+void silu_and_mul(Tensor& out, const Tensor& gate_up) {
+  const auto dtype = gate_up.scalar_type();
+  PAGEDSERVE_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 rows, got ", dtype);
+  check_rows(gate_up, "gate_up", dtype);
+  check_rows(out, "out", dtype);
+  PAGEDSERVE_CHECK(gate_up.dim() == 2 && out.dim() == 2 && gate_up.size(0) == out.size(0) &&
+                       gate_up.size(1) == 2 * out.size(1),
+                   "gate_up must be [rows, 2 * n] and out [rows, n]");
+  if (dtype == at::kFloat) {
+    silu_mul_rows<float>(out, gate_up);
+  } else {
+    silu_mul_rows<c10::BFloat16>(out, gate_up);
+  }
+}
+
+// x * cos + rotate_half(x) * sin of one head, rotate_half(x) = [-x2, x1] over the halves of the head.
+template <typename T>
+PAGEDSERVE_EXACT inline void rotate(T* out, const T* x, const T* cos, const T* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float turned = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
+    const float a = stored<T>(static_cast<float>(x[d]) * static_cast<float>(cos[d]));
+    const float b = stored<T>(turned * static_cast<float>(sin[d]));
+    out[d] = static_cast<T>(a + b);
+  }
+}
+
+template <typename T>
+void rotary_rows(Tensor& query, const Tensor& key, const Tensor& value, const Tensor& cos, const Tensor& sin,
+                 Tensor& k_cache, Tensor& v_cache, const Tensor& slot_mapping) {
+  const int64_t tokens = query.size(0), heads = query.size(1), kv_heads = key.size(1), dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  T* q = query.data_ptr<T>();
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  const T* c = cos.data_ptr<T>();
+  const T* s = sin.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t c_block = k_cache.stride(0), c_token = k_cache.stride(1), c_head = k_cache.stride(2);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slots[t];
+    PAGEDSERVE_CHECK(slot >= -1 && slot < num_slots, "token ", t, " maps to slot ", slot);
+  }
+  at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<T> turned(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* ct = c + t * cos.stride(0);
+      const T* st = s + t * sin.stride(0);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* qh = q + t * query.stride(0) + h * query.stride(1);
+        rotate(turned.data(), qh, ct, st, dim);
+        std::copy(turned.begin(), turned.end(), qh);
+      }
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      const int64_t base = (slot / block_size) * c_block + (slot % block_size) * c_token;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate(kc + base + h * c_head, k + t * key.stride(0) + h * key.stride(1), ct, st, dim);
+        const T* vh = v + t * value.stride(0) + h * value.stride(1);
+        std::copy(vh, vh + dim, vc + base + h * c_head);
+      }
+    }
+  });
+}
+
+// Rotary position embedding of the query (in place) and of the key as it is written into its cache slot, the
+// value written beside it; a token whose slot is -1 is rotated and not written. cos and sin are
+// [tokens, head_size], as transformers' rotary embedding gives them.
+void rotary_write_kv(Tensor& query,        // [tokens, heads, head_size]
+                     const Tensor& key,    // [tokens, kv_heads, head_size]
+                     const Tensor& value,  // [tokens, kv_heads, head_size]
+                     const Tensor& cos, const Tensor& sin,
+                     Tensor& k_cache,  // [num_blocks, block_size, kv_heads, head_size]
+                     Tensor& v_cache, const Tensor& slot_mapping) {
+  const auto dtype = query.scalar_type();
+  PAGEDSERVE_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 heads, got ", dtype);
+  const Tensor* all[] = {&query, &key, &value, &cos, &sin, &k_cache, &v_cache};
+  for (const Tensor* t : all) check_rows(*t, "every tensor", dtype);
+  PAGEDSERVE_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes(),
+                   "query, key and value must be [tokens, heads, head_size]");
+  const int64_t tokens = query.size(0), dim = query.size(2);
+  PAGEDSERVE_CHECK(key.size(0) == tokens && key.size(2) == dim && dim % 2 == 0, "key must match query");
+  PAGEDSERVE_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.size(1) == dim,
+                   "cos and sin must be [tokens, head_size]");
+  PAGEDSERVE_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                       k_cache.strides() == v_cache.strides() && k_cache.size(2) == key.size(1) &&
+                       k_cache.size(3) == dim,
+                   "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_size] alike");
+  PAGEDSERVE_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                       slot_mapping.is_contiguous() && slot_mapping.size(0) == tokens,
+                   "slot_mapping must be a contiguous int64 [tokens]");
+  if (dtype == at::kFloat) {
+    rotary_rows<float>(query, key, value, cos, sin, k_cache, v_cache, slot_mapping);
+  } else {
+    rotary_rows<c10::BFloat16>(query, key, value, cos, sin, k_cache, v_cache, slot_mapping);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def(
+      "rotary_write_kv(Tensor(a!) query, Tensor key, Tensor value, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+      "Tensor(c!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_write_kv", &rotary_write_kv);
+}
