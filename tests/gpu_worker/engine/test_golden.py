@@ -9,9 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gpu_worker import LLM, SamplingParams
-from tests.support.engine import QUESTIONS, assert_pool_drained
+from tests.support.engine import MAX_NEW_TOKENS, QUESTIONS, assert_pool_drained, hf_greedy
 
-MAX_NEW_TOKENS = 24
 TINY_PROMPT_LENS = [1, 7, 16, 17, 33, 64, 100, 250, 511]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 
@@ -19,21 +18,6 @@ ARTICLE = (
     "The river rises in the mountains, gathers snowmelt through the spring, and winds past farms, mills and "
     "old stone bridges before it reaches the sea. Towns grew where it could be crossed, and trade followed. "
 )
-
-
-def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
-    """transformers' generate(), one prompt at a time (no padding), greedy."""
-    outputs = []
-    for ids in prompts:
-        input_ids = torch.tensor([ids])
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-        )
-        outputs.append(out[0, len(ids) :].tolist())
-    return outputs
 
 
 def token_ids(outputs: list[Any]) -> list[list[int]]:
@@ -59,6 +43,7 @@ def tiny_reference(tiny_model_path: str, tiny_prompts: list[list[int]]) -> list[
     "options",
     [
         pytest.param({"block_size": 16}, id="block16"),
+        pytest.param({"block_size": 16, "model_impl": "transformers"}, id="transformers-forward"),
         pytest.param({"block_size": 8}, id="block8"),
         pytest.param({"block_size": 32, "enable_prefix_caching": False}, id="block32-no-prefix-cache"),
         pytest.param({"block_size": 16, "max_num_batched_tokens": 48}, id="chunked-prefill"),

@@ -8,6 +8,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gpu_worker import LLM
+from gpu_worker.engine.llama_forward import LlamaForward
 from gpu_worker.engine.packed_linear import PackedLinear, pack_linears, packing_supported
 
 TINY = dict(
@@ -40,8 +41,12 @@ def test_matches_linear_in_bf16() -> None:
 
 
 def test_engine_packs_every_linear(tiny_model_path: str) -> None:
-    llm = LLM(tiny_model_path, num_kv_blocks=64)
-    model = llm.engine.runner.model
+    forward = LLM(tiny_model_path, num_kv_blocks=64).engine.runner.model
+    assert isinstance(forward, LlamaForward)
+    linears = [module for _, module in forward.named_modules() if isinstance(module, (nn.Linear, PackedLinear))]
+    assert linears and all(isinstance(module, PackedLinear) for module in linears)
+    # transformers' forward, where the runner keeps the model's own modules.
+    model = LLM(tiny_model_path, num_kv_blocks=64, model_impl="transformers").engine.runner.model
     assert isinstance(model.get_output_embeddings(), PackedLinear)
     assert not [name for name, m in model.named_modules() if type(m) is nn.Linear]
     layer = model.model.layers[0]
