@@ -1,7 +1,7 @@
 """The engine's steps against this machine's limits: how far each step is from what memory and matmuls allow.
 
     .venv/bin/python benchmarks/roofline.py                       # the default model, fp32, about 1 min
-    .venv/bin/python benchmarks/roofline.py --batches 1 32 --steps 10
+    .venv/bin/python benchmarks/roofline.py --batches 1 32 --steps 10 --model-impl pagedserve
 
 Measures, in the same run, this machine's read bandwidth (summing a large fp32 tensor), copy bandwidth (bytes
 read plus written by a large copy) and matmul rates (the best of square fp32 and bf16 matmuls), then times
@@ -14,8 +14,10 @@ past a short prompt, one token each per step) and one prefill chunk. Each step i
   context) over the fp32 matmul rate, and over the bf16 rate (what bf16 weights could reach). A step's
   "x bound" is over the higher of the memory bound and the compute bound of the dtype it runs in.
 
-A profile of one step per row (torch.profiler) says where the time goes: matmuls, attention, the rest of the
-ops, and what is outside every op (Python, dispatch). Prints a table; writes JSON and a PNG.
+Both forwards run by default, transformers' modules and then pagedserve's own (`--model-impl`), against the
+same measured limits. A profile of one step per row (torch.profiler) says where the time goes: matmuls,
+attention, the rest of the ops, and what is outside every op (Python, dispatch). Prints a table; writes JSON
+and a PNG.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from torch.profiler import ProfilerActivity, profile
 from workloads import ModelShape, benchmark_parser, matmul_flops_per_s, save_figure, write_json
 
 from gpu_worker import LLMEngine, SamplingParams
+from gpu_worker.engine.config import EngineConfig
 
 PROMPT_LEN = 32
 # Op names by kind, for the profile's summary (the rest is "other ops").
 MATMUL_OPS = (
     "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise",
 )  # fmt: skip
-ATTENTION_OPS = ("pagedserve", "attention", "scaled_dot_product")
+ATTENTION_OPS = ("attention", "scaled_dot_product")
 
 
 def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -173,7 +176,7 @@ def print_table(results: dict[str, Any]) -> None:
         " threads"
     )
     print(
-        f"{'step':<14}{'ms':>8}{'mem ms':>8}{'fp32 ms':>9}{'bf16 ms':>9}{'x bound':>9}"
+        f"{'forward':<14}{'step':<14}{'ms':>8}{'mem ms':>8}{'fp32 ms':>9}{'bf16 ms':>9}{'x bound':>9}"
         f"{'matmul':>8}{'attn':>7}{'ops':>7}{'outside':>9}"
     )
     for r in results["rows"]:
@@ -181,7 +184,8 @@ def print_table(results: dict[str, Any]) -> None:
         wall = w["profiled_wall_s"]
         shares = [w[k] / wall for k in ("matmul_s", "attention_s", "other_ops_s", "outside_ops_s")]
         print(
-            f"{r['step']:<14}{1000 * r['step_s']:>8.1f}{1000 * r['memory_bound_s']:>8.1f}"
+            f"{r['model_impl']:<14}{r['step']:<14}"
+            f"{1000 * r['step_s']:>8.1f}{1000 * r['memory_bound_s']:>8.1f}"
             f"{1000 * r['fp32_compute_bound_s']:>9.1f}{1000 * r['bf16_compute_bound_s']:>9.1f}"
             f"{r['over_bound']:>8.2f}x" + "".join(f"{s:>7.0%} " for s in shares)
         )
@@ -194,9 +198,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in results["rows"] if r["step"].startswith("decode")]
-    batches = [int(r["step"].split()[-1]) for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(batches, [1000 * r["step_s"] for r in rows], "o-", label="decode step")
+    for impl in dict.fromkeys(r["model_impl"] for r in rows):
+        mine = [r for r in rows if r["model_impl"] == impl]
+        steps = [int(r["step"].split()[-1]) for r in mine]
+        ax.plot(steps, [1000 * r["step_s"] for r in mine], "o-", label=f"decode step ({impl} forward)")
+    rows = [r for r in rows if r["model_impl"] == rows[-1]["model_impl"]]
+    batches = [int(r["step"].split()[-1]) for r in rows]
     ax.plot(batches, [1000 * r["memory_bound_s"] for r in rows], "--", label="weights / read bandwidth")
     ax.plot(batches, [1000 * r["fp32_compute_bound_s"] for r in rows], ":", label="FLOPs / fp32 matmul rate")
     ax.plot(batches, [1000 * r["bf16_compute_bound_s"] for r in rows], ":", label="FLOPs / bf16 matmul rate")
@@ -214,11 +222,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prefill-tokens", type=int, default=512, help="the prefill chunk's length")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--model-impl",
+        default="both",
+        choices=["both", "auto", "pagedserve", "transformers"],
+        help="the model's forward (engine option model_impl); both: transformers', then pagedserve's",
+    )
     args = parser.parse_args(argv)
 
-    engine = LLMEngine(args.model, device="cpu", dtype=getattr(torch, args.dtype))
-    shape = ModelShape.of(engine.runner.model)
-    weights = weight_bytes(engine.runner.model)
     cpu = torch.device("cpu")
     limits = {
         "read_bytes_per_s": read_bandwidth(),
@@ -226,6 +237,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fp32_matmul_flops_per_s": matmul_flops_per_s(cpu),
         "bf16_matmul_flops_per_s": matmul_flops_per_s(cpu, dtype=torch.bfloat16),
     }
+    impls = ["transformers", "pagedserve"] if args.model_impl == "both" else [args.model_impl]
+    rows: list[dict[str, Any]] = []
+    for impl in impls:
+        engine = LLMEngine(
+            args.model, EngineConfig(model_impl=impl), device="cpu", dtype=getattr(torch, args.dtype)
+        )
+        shape = ModelShape.of(engine.runner.model)
+        weights = weight_bytes(engine.runner.model)
+        for r in steps_of(engine, args, shape, weights, limits):
+            rows.append({**r, "model_impl": impl})
+        del engine
+    results = {
+        "model": str(args.model or "SmolLM2-135M-Instruct"),
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "machine": limits,
+        "weight_bytes": weights,
+        "shape": dataclasses.asdict(shape),
+        "rows": rows,
+    }
+    print_table(results)
+    out, png = Path(args.json), Path(args.plot)
+    write_json(results, out)
+    plot(results, png)
+    print(f"wrote {out} and {png}")
+    return results
+
+
+def steps_of(
+    engine: LLMEngine, args: Any, shape: ModelShape, weights: int, limits: dict[str, float]
+) -> list[dict[str, Any]]:
+    """The decode steps at each batch size and one prefill chunk, each against the bounds."""
     with decoding(engine, max(args.batches), 3, "warm-up"):
         for _ in range(3):
             engine.step()
@@ -242,21 +285,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     flops = step_flops(shape, n, 1, list(range(1, n + 1)))
     where = profile_of(lambda: prefill_step(engine, n, 4))
     rows.append(row(f"prefill {n}", seconds, flops, limits, weights, where, args.dtype))
-    results = {
-        "model": str(args.model or "SmolLM2-135M-Instruct"),
-        "dtype": args.dtype,
-        "threads": torch.get_num_threads(),
-        "machine": limits,
-        "weight_bytes": weights,
-        "shape": dataclasses.asdict(shape),
-        "rows": rows,
-    }
-    print_table(results)
-    out, png = Path(args.json), Path(args.plot)
-    write_json(results, out)
-    plot(results, png)
-    print(f"wrote {out} and {png}")
-    return results
+    return rows
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from kernels import reference
 __all__ = [
     "add_rms_norm",
     "copy_blocks",
+    "cpp_layers_support",
+    "llama_decode_layers",
     "load",
     "paged_attention",
     "rms_norm",
@@ -177,3 +179,32 @@ def rotary_write_kv(
         reference.rotary_write_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping)
         return
     ops.rotary_write_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping.long())
+
+
+def cpp_layers_support(weight: Tensor, head_size: int) -> bool:
+    """Whether llama_decode_layers runs a model of these weights (on the CPU, in float32 or bfloat16, with the
+    kernels built) and this head size (the decode-attention kernel's)."""
+    return _cpu_ops(weight) is not None and head_size % CPU_HEAD_SIZE_MULTIPLE == 0
+
+
+def llama_decode_layers(
+    hidden: Tensor,  # [num_tokens, hidden_size], the step's embeddings
+    weights: list[Tensor | None],  # per layer: qkv, its bias, o, gate_up, down, the two norms, q and k norms
+    final_norm: Tensor,
+    cos: Tensor,  # [num_tokens, head_size]
+    sin: Tensor,
+    meta: Any,  # gpu_worker.engine.attention.AttentionMetadata, every sequence with one query token
+    shape: tuple[int, int, int],  # num_heads, num_kv_heads, head_size
+    eps: float,
+    scale: float,
+) -> Tensor:
+    """Every layer of a decode step in one C++ call (weights packed for oneDNN); the last hidden state, summed
+    and normed by final_norm. Only where cpp_layers_support says so."""
+    ops = _cpu_ops(hidden)
+    assert ops is not None
+    k_caches = [k for k, _ in meta.kv_caches]
+    v_caches = [v for _, v in meta.kv_caches]
+    return ops.llama_decode_layers(
+        hidden, weights, final_norm, cos, sin, k_caches, v_caches, meta.slot_mapping, meta.block_table,
+        meta.seq_lens, meta.query_start_loc, *shape, eps, scale,
+    )  # fmt: skip

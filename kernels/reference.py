@@ -186,7 +186,8 @@ def silu_and_mul(out: Tensor, gate_up: Tensor) -> None:
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x * cos + rotate_half(x) * sin over each head of x [tokens, heads, head_size]; cos, sin [tokens, head_size]."""
+    """x * cos + rotate_half(x) * sin over each head of x [tokens, heads, head_size], with cos and sin
+    [tokens, head_size]."""
     half = x.shape[-1] // 2
     turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(1) + turned * sin.unsqueeze(1)

@@ -1,11 +1,11 @@
 """pagedserve's own forward for Llama-family models (Llama, Mistral without a sliding window, Qwen2, Qwen3,
 SmolLM): the same weights as transformers' modules, fewer and fused ops.
 
-A layer is four matmuls (q/k/v as one, o, gate/up as one, down) and three fused elementwise passes (kernels):
-the residual sum with the next RMSNorm, SiLU-and-multiply, and rotary applied to the query and to the key as it
-is written into the paged cache. One Python call runs a layer, with no module hooks or keyword plumbing between
-the ops. Every other architecture, and a model this does not take, runs through transformers with the paged
-attention plugged into its attention interface (gpu_worker.engine.attention).
+A layer is four matmuls (q/k/v as one, o, gate/up as one, down) and three fused elementwise passes
+(kernels): the residual sum with the next RMSNorm, SiLU-and-multiply, and rotary applied to the query and to
+the key as it is written into the paged cache. One Python call runs a layer, with no module hooks or keyword
+plumbing between the ops. Every other architecture, and a model this does not take, runs through
+transformers with the paged attention plugged into its attention interface (gpu_worker.engine.attention).
 
 The fused ops round where transformers' modules do, so float32 greedy output is transformers' own, token for
 token (`tests/gpu_worker/engine/test_golden.py`).
@@ -102,6 +102,7 @@ class LlamaForward(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = self.head_dim**-0.5
+        self.shape = (self.num_heads, self.num_kv_heads, self.head_dim)
         self.fused = nn.ModuleList()  # the layers' matmuls, among this module's parameters
         self.hf_layers = inner.layers  # the norms' weights stay where transformers put them
         self.layers: list[_Layer] = []
@@ -126,7 +127,31 @@ class LlamaForward(nn.Module):
                 setattr(attn, name, nn.Identity())
             for name in ("gate_proj", "up_proj", "down_proj"):
                 setattr(mlp, name, nn.Identity())
+        # A decode step's layers can run in one C++ call (the CPU kernels, weights packed for oneDNN).
+        self.decode_weights = self._decode_weights() if pack else None
+        self.use_cpp_layers = self.decode_weights is not None
         logger.debug("pagedserve's Llama forward over %d layers (packed: %s)", len(self.layers), pack)
+
+    def _decode_weights(self) -> list[Tensor | None] | None:
+        """Each layer's tensors in the order kernels.llama_decode_layers takes them, or None where that op
+        is not built or the attention kernel cannot take the model's heads."""
+        weight = self.embed_tokens.weight
+        if not kernels.cpp_layers_support(weight, self.head_dim):
+            return None
+        tensors: list[Tensor | None] = []
+        for layer in self.layers:
+            tensors += [
+                layer.qkv.weight,
+                layer.qkv.bias,
+                layer.o.weight,
+                layer.gate_up.weight,
+                layer.down.weight,
+                layer.input_norm,
+                layer.post_attention_norm,
+                layer.q_norm,
+                layer.k_norm,
+            ]
+        return tensors
 
     def get_input_embeddings(self) -> nn.Module:
         return self.embed_tokens
@@ -137,10 +162,29 @@ class LlamaForward(nn.Module):
     def forward(
         self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices: Tensor
     ) -> Tensor:
-        """Logits `[len(logits_indices), vocab]` at those of the step's tokens (input_ids, positions: `[T]`)."""
+        """Logits `[len(logits_indices), vocab]` at those of the step's tokens (input_ids and positions are
+        `[T]`)."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(hidden, positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]
+        # Every row one query token (decodes, and the drafts of a verify split into rows): one C++ call.
+        if (
+            self.use_cpp_layers
+            and self.decode_weights is not None
+            and meta.seq_lens.shape[0] == hidden.shape[0]
+        ):
+            x = kernels.llama_decode_layers(
+                hidden,
+                self.decode_weights,
+                self.norm.weight,
+                cos,
+                sin,
+                meta,
+                self.shape,
+                self.eps,
+                self.scale,
+            )
+            return self.lm_head(x[logits_indices])
         residual = hidden
         x = torch.empty_like(hidden)
         kernels.rms_norm(x, hidden, self.layers[0].input_norm, self.eps)

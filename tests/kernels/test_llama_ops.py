@@ -72,13 +72,17 @@ def test_silu_and_mul_is_the_mlps_product(ops: object, dtype: torch.dtype) -> No
     close(out, ACT2FN["silu"](gate) * up)
 
 
-def _rotary_inputs(dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, dim: int) -> tuple[Tensor, ...]:
+def _rotary_inputs(
+    dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, dim: int
+) -> tuple[Tensor, ...]:
     positions = torch.randint(0, 4000, (tokens,))
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     freqs = positions[:, None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
-    q = qkv[:, : heads * dim].reshape(tokens, heads, dim)  # a strided view, as the forward's fused matmul gives
+    q = qkv[:, : heads * dim].reshape(
+        tokens, heads, dim
+    )  # a strided view, as the forward's fused matmul gives
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
     return q, k, v, emb.cos().to(dtype), emb.sin().to(dtype)

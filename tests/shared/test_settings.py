@@ -106,6 +106,7 @@ def test_the_engine_config_comes_from_the_worker_settings(monkeypatch: pytest.Mo
         "enable_prefix_caching": False,
         "seed": 42,
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+        "model_impl": "transformers",
     }
     assert set(values) == set(EngineConfig.model_fields)
     for name, value in values.items():

@@ -40,7 +40,9 @@ def save_model(folder: Path, tokenizer_path: str, model_type: str, **options: An
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
-def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_path: str) -> str:
+def family_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_path: str
+) -> str:
     model_type, options = ARCHITECTURES[request.param]
     return save_model(tmp_path_factory.mktemp(request.param), tiny_model_path, model_type, **options)
 
@@ -52,7 +54,9 @@ def prompts() -> list[list[int]]:
 
 
 def test_greedy_output_is_transformers_own(family_model: str, prompts: list[list[int]]) -> None:
-    reference = hf_greedy(AutoModelForCausalLM.from_pretrained(family_model, dtype=torch.float32).eval(), prompts)
+    reference = hf_greedy(
+        AutoModelForCausalLM.from_pretrained(family_model, dtype=torch.float32).eval(), prompts
+    )
     llm = LLM(family_model, dtype="float32", num_kv_blocks=128, model_impl="pagedserve")
     assert isinstance(llm.engine.runner.model, LlamaForward)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)

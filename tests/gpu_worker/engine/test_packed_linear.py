@@ -43,7 +43,9 @@ def test_matches_linear_in_bf16() -> None:
 def test_engine_packs_every_linear(tiny_model_path: str) -> None:
     forward = LLM(tiny_model_path, num_kv_blocks=64).engine.runner.model
     assert isinstance(forward, LlamaForward)
-    linears = [module for _, module in forward.named_modules() if isinstance(module, (nn.Linear, PackedLinear))]
+    linears = [
+        module for _, module in forward.named_modules() if isinstance(module, (nn.Linear, PackedLinear))
+    ]
     assert linears and all(isinstance(module, PackedLinear) for module in linears)
     # transformers' forward, where the runner keeps the model's own modules.
     model = LLM(tiny_model_path, num_kv_blocks=64, model_impl="transformers").engine.runner.model
