@@ -14,10 +14,11 @@ past a short prompt, one token each per step) and one prefill chunk. Each step i
   context) over the fp32 matmul rate, and over the bf16 rate (what bf16 weights could reach). A step's
   "x bound" is over the higher of the memory bound and the compute bound of the dtype it runs in.
 
-Both forwards run by default, transformers' modules and then pagedserve's own (`--model-impl`), against the
-same measured limits. A profile of one step per row (torch.profiler) says where the time goes: matmuls,
-attention, the rest of the ops, and what is outside every op (Python, dispatch). Prints a table; writes JSON
-and a PNG.
+Three forwards run by default, one after the other against the same measured limits (`--model-impl`):
+transformers' modules, pagedserve's own with a Python loop over the layers, and pagedserve's own with a decode
+step's layers in one C++ call (what the engine runs). A profile of one step per row (torch.profiler) says
+where the time goes: matmuls, attention, the rest of the ops, and what is outside every op (Python,
+dispatch). Prints a table; writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from workloads import ModelShape, benchmark_parser, matmul_flops_per_s, save_fig
 
 from gpu_worker import LLMEngine, SamplingParams
 from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.llama_forward import LlamaForward
+from gpu_worker.engine.packed_linear import cpu_has_bf16
 
 PROMPT_LEN = 32
 # Op names by kind, for the profile's summary (the rest is "other ops").
@@ -46,6 +49,12 @@ MATMUL_OPS = (
     "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise",
 )  # fmt: skip
 ATTENTION_OPS = ("attention", "scaled_dot_product")
+# The forwards compared: (the engine's model_impl, a decode step's layers in one C++ call).
+FORWARDS = {
+    "transformers": ("transformers", False),
+    "pagedserve-py": ("pagedserve", False),
+    "pagedserve": ("pagedserve", True),
+}
 
 
 def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -224,9 +233,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
         "--model-impl",
-        default="both",
-        choices=["both", "auto", "pagedserve", "transformers"],
-        help="the model's forward (engine option model_impl); both: transformers', then pagedserve's",
+        default="all",
+        choices=["all", *FORWARDS],
+        help="the forward: transformers' modules, pagedserve's with a Python loop over the layers, or with a "
+        "decode step's layers in one C++ call (the default); all: the three, one after the other",
     )
     args = parser.parse_args(argv)
 
@@ -235,14 +245,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "read_bytes_per_s": read_bandwidth(),
         "copy_bytes_per_s": copy_bandwidth(),
         "fp32_matmul_flops_per_s": matmul_flops_per_s(cpu),
-        "bf16_matmul_flops_per_s": matmul_flops_per_s(cpu, dtype=torch.bfloat16),
+        # Without bf16 instructions a bf16 matmul is emulated, far slower: a small one tells as much.
+        "bf16_matmul_flops_per_s": matmul_flops_per_s(
+            cpu, n=2048 if cpu_has_bf16() else 256, dtype=torch.bfloat16
+        ),
     }
-    impls = ["transformers", "pagedserve"] if args.model_impl == "both" else [args.model_impl]
+    impls = list(FORWARDS) if args.model_impl == "all" else [args.model_impl]
     rows: list[dict[str, Any]] = []
     for impl in impls:
-        engine = LLMEngine(
-            args.model, EngineConfig(model_impl=impl), device="cpu", dtype=getattr(torch, args.dtype)
-        )
+        model_impl, cpp_layers = FORWARDS[impl]
+        config = EngineConfig(model_impl=model_impl)
+        engine = LLMEngine(args.model, config, device="cpu", dtype=getattr(torch, args.dtype))
+        forward = engine.runner.model
+        if isinstance(forward, LlamaForward):
+            forward.use_cpp_layers = cpp_layers and forward.decode_weights is not None
         shape = ModelShape.of(engine.runner.model)
         weights = weight_bytes(engine.runner.model)
         for r in steps_of(engine, args, shape, weights, limits):

@@ -79,12 +79,13 @@ def test_roofline_smoke(tiny_model_path: str, tmp_path: Path) -> None:
     out, png = tmp_path / "roofline.json", tmp_path / "roofline.png"
     results = roofline.main(
         ["--model", tiny_model_path, "--batches", "1", "4", "--steps", "3", "--prefill-tokens", "64",
-         "--json", str(out), "--plot", str(png)]
+         "--model-impl", "pagedserve", "--json", str(out), "--plot", str(png)]
     )  # fmt: skip
     assert json.loads(out.read_text()) == results and png.stat().st_size > 0
     machine = results["machine"]
     assert all(machine[k] > 0 for k in ("read_bytes_per_s", "copy_bytes_per_s", "fp32_matmul_flops_per_s"))
     assert [r["step"] for r in results["rows"]] == ["decode 1", "decode 4", "prefill 64"]
+    assert {r["model_impl"] for r in results["rows"]} == {"pagedserve"}
     one, four, prefill = results["rows"]
     assert one["memory_bound_s"] == four["memory_bound_s"] > 0  # every weight once, whatever the batch
     assert four["fp32_compute_bound_s"] > one["fp32_compute_bound_s"] > 0
