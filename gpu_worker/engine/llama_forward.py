@@ -141,11 +141,11 @@ class LlamaForward(nn.Module):
         tensors: list[Tensor | None] = []
         for layer in self.layers:
             tensors += [
-                layer.qkv.weight,
-                layer.qkv.bias,
-                layer.o.weight,
-                layer.gate_up.weight,
-                layer.down.weight,
+                _param(layer.qkv, "weight"),
+                _param(layer.qkv, "bias"),
+                _param(layer.o, "weight"),
+                _param(layer.gate_up, "weight"),
+                _param(layer.down, "weight"),
                 layer.input_norm,
                 layer.post_attention_norm,
                 layer.q_norm,
@@ -229,6 +229,12 @@ class LlamaForward(nn.Module):
         if index + 1 < len(self.layers):
             kernels.add_rms_norm(out, residual, self.layers[index + 1].input_norm, self.eps)
         return out
+
+
+def _param(module: nn.Module, name: str) -> Tensor | None:
+    value = getattr(module, name)
+    assert value is None or isinstance(value, Tensor)
+    return value
 
 
 def _head_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
