@@ -72,6 +72,24 @@ def test_silu_and_mul_is_the_mlps_product(ops: object, dtype: torch.dtype) -> No
     close(out, ACT2FN["silu"](gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_holds_at_the_ends_of_the_exponential(ops: object, dtype: torch.dtype) -> None:
+    """Gates far past where e^-x overflows or vanishes, every residue of the row's length against the
+    vectorized exponential's width, and a NaN, which stays a NaN."""
+    ends = torch.tensor([-88.5, -87.5, 87.5, 88.5, 0.0])
+    gate = torch.cat([torch.linspace(-200, 200, 397), ends]).to(dtype)
+    up = torch.linspace(-3, 3, gate.numel()).to(dtype)
+    for n in (gate.numel(), 7, 1):
+        gate_up = torch.cat([gate[:n], up[:n]]).unsqueeze(0)
+        out = torch.empty(1, n, dtype=dtype)
+        ops.silu_and_mul(out, gate_up)  # type: ignore[attr-defined]
+        close(out[0], ACT2FN["silu"](gate[:n]) * up[:n])
+    gate_up = torch.tensor([[float("nan"), 1.0, 2.0, 2.0]], dtype=dtype)
+    out = torch.empty(1, 2, dtype=dtype)
+    ops.silu_and_mul(out, gate_up)  # type: ignore[attr-defined]
+    assert out[0, 0].isnan() and not out[0, 1].isnan()
+
+
 def _rotary_inputs(
     dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, dim: int
 ) -> tuple[Tensor, ...]:

@@ -16,7 +16,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -28,10 +35,73 @@ using at::Tensor;
 // Rows are spread over threads only when there are enough of them to pay for waking the threads.
 constexpr int64_t kRowsPerTask = 4;
 
+// bfloat16 from float and back as plain integer arithmetic (so that loops over a row vectorize), rounded as
+// c10::BFloat16 rounds: to the nearest even, a NaN kept a NaN.
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+}
+
+inline float bf16_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return bf16_float(x.x); }
+
+template <typename T>
+inline T from_float(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return c10::BFloat16(bf16_bits(x), c10::BFloat16::from_bits());
+  }
+}
+
 // A value as transformers would have it stored in a tensor of T: a no-op for float.
 template <typename T>
 inline float stored(float x) {
-  return static_cast<float>(static_cast<T>(x));
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return bf16_float(bf16_bits(x));
+  }
+}
+
+// e^x of n floats (in place), n a multiple of 8 where AVX2 is built in. x = k ln2 + r with |r| <= ln2 / 2:
+// e^r from its Taylor series up to r^7 (the rest is under 1e-8 of it), scaled by 2^k through the exponent
+// bits; within a float's rounding of std::exp, as torch's own vectorized exp is.
+constexpr int64_t kExpWidth = 8;
+inline void exp_in_place(float* x, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  // ln2 in two parts: the first has few bits, so k times it is exact.
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  const float taylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  for (int64_t i = 0; i < n; i += kExpWidth) {
+    const __m256 given = _mm256_loadu_ps(x + i);
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(given, lo), hi);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(k, ln2_lo, _mm256_fnmadd_ps(k, ln2_hi, v));
+    __m256 p = _mm256_set1_ps(taylor[0]);
+    for (int j = 1; j < 8; ++j) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(taylor[j]));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+    // Past the clamps: e^x overflows to infinity, or is (nearly) nothing; a NaN stays a NaN.
+    e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(given, hi, _CMP_GT_OQ));
+    e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(given, lo, _CMP_LT_OQ));
+    e = _mm256_blendv_ps(e, given, _mm256_cmp_ps(given, given, _CMP_UNORD_Q));
+    _mm256_storeu_ps(x + i, e);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+#endif
 }
 
 void check_rows(const Tensor& t, const char* name, at::ScalarType dtype) {
@@ -47,7 +117,7 @@ PAGEDSERVE_EXACT void norm_row(T* out, const float* row, const T* weight, int64_
   const float variance = static_cast<float>(squares / static_cast<double>(n));
   const float inv = 1.f / std::sqrt(variance + eps);
   for (int64_t d = 0; d < n; ++d) {
-    out[d] = static_cast<T>(static_cast<float>(weight[d]) * stored<T>(row[d] * inv));
+    out[d] = from_float<T>(to_float(weight[d]) * stored<T>(row[d] * inv));
   }
 }
 
@@ -68,11 +138,11 @@ PAGEDSERVE_EXACT void norm_rows(Tensor& out, const Tensor& x, Tensor* residual, 
       if (r) {
         T* ri = r + i * n;
         for (int64_t d = 0; d < n; ++d) {
-          ri[d] = static_cast<T>(static_cast<float>(ri[d]) + static_cast<float>(xi[d]));
-          row[d] = static_cast<float>(ri[d]);
+          ri[d] = from_float<T>(to_float(ri[d]) + to_float(xi[d]));
+          row[d] = to_float(ri[d]);
         }
       } else {
-        for (int64_t d = 0; d < n; ++d) row[d] = static_cast<float>(xi[d]);
+        for (int64_t d = 0; d < n; ++d) row[d] = to_float(xi[d]);
       }
       norm_row(o + i * n, row.data(), w, n, feps);
     }
@@ -119,14 +189,17 @@ PAGEDSERVE_EXACT void silu_mul_rows(Tensor& out, const Tensor& gate_up) {
   T* o = out.data_ptr<T>();
   const int64_t in_row = gate_up.stride(0), out_row = out.stride(0);
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    const int64_t padded = (n + kExpWidth - 1) / kExpWidth * kExpWidth;
+    std::vector<float> e(padded, 0.f);
     for (int64_t i = begin; i < end; ++i) {
       const T* gate = in + i * in_row;
       const T* up = gate + n;
       T* oi = o + i * out_row;
+      for (int64_t d = 0; d < n; ++d) e[d] = -to_float(gate[d]);
+      exp_in_place(e.data(), padded);
       for (int64_t d = 0; d < n; ++d) {
-        const float g = static_cast<float>(gate[d]);
-        const float act = stored<T>(g / (1.f + std::exp(-g)));
-        oi[d] = static_cast<T>(act * static_cast<float>(up[d]));
+        const float act = stored<T>(to_float(gate[d]) / (1.f + e[d]));
+        oi[d] = from_float<T>(act * to_float(up[d]));
       }
     }
   });
@@ -152,11 +225,15 @@ void silu_and_mul(Tensor& out, const Tensor& gate_up) {
 template <typename T>
 PAGEDSERVE_EXACT inline void rotate(T* out, const T* x, const T* cos, const T* sin, int64_t dim) {
   const int64_t half = dim / 2;
-  for (int64_t d = 0; d < dim; ++d) {
-    const float turned = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
-    const float a = stored<T>(static_cast<float>(x[d]) * static_cast<float>(cos[d]));
-    const float b = stored<T>(turned * static_cast<float>(sin[d]));
-    out[d] = static_cast<T>(a + b);
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = stored<T>(to_float(x[d]) * to_float(cos[d]));
+    const float b = stored<T>(-to_float(x[d + half]) * to_float(sin[d]));
+    out[d] = from_float<T>(a + b);
+  }
+  for (int64_t d = half; d < dim; ++d) {
+    const float a = stored<T>(to_float(x[d]) * to_float(cos[d]));
+    const float b = stored<T>(to_float(x[d - half]) * to_float(sin[d]));
+    out[d] = from_float<T>(a + b);
   }
 }
 
