@@ -15,9 +15,12 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
 using at::Tensor;
+using namespace pagedserve_cpu_math;
 
 #define PAGEDSERVE_CHECK(cond, ...) TORCH_CHECK(cond, "pagedserve: ", __VA_ARGS__)
 
@@ -29,7 +32,7 @@ template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
   float partial[kLanes] = {};
   for (int64_t d = 0; d < n; d += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) partial[j] += a[d + j] * static_cast<float>(b[d + j]);
+    for (int64_t j = 0; j < kLanes; ++j) partial[j] += a[d + j] * to_float(b[d + j]);
   }
   float sum = 0.f;
   for (int64_t j = 0; j < kLanes; ++j) sum += partial[j];
@@ -38,7 +41,7 @@ inline float dot(const float* a, const T* b, int64_t n) {
 
 template <typename T>
 inline void axpy(float* y, float alpha, const T* x, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) y[d] += alpha * static_cast<float>(x[d]);
+  for (int64_t d = 0; d < n; ++d) y[d] += alpha * to_float(x[d]);
 }
 
 void check_index(const Tensor& t, const char* name, int64_t dim) {
@@ -141,9 +144,11 @@ void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
       const int32_t* row = table + s * max_blocks;
       for (int64_t h = 0; h < num_heads; ++h) {
         const T* q_head_base = q_base + token * q_token + h * q_head;
-        for (int64_t d = 0; d < head_size; ++d) q[h * head_size + d] = static_cast<float>(q_head_base[d]);
+        for (int64_t d = 0; d < head_size; ++d) q[h * head_size + d] = to_float(q_head_base[d]);
       }
-      scores.resize(num_heads * ctx);
+      // Each head's scores padded to the exponential's width (the padding's weights come out 0).
+      const int64_t stride = (ctx + kExpWidth - 1) / kExpWidth * kExpWidth;
+      scores.assign(num_heads * stride, -std::numeric_limits<float>::infinity());
       std::fill(max_score.begin(), max_score.end(), -std::numeric_limits<float>::infinity());
       // Pass 1: scores of every query head against every K row.
       for (int64_t pos = 0; pos < ctx; ++pos) {
@@ -151,18 +156,17 @@ void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
         const T* k_row = k_base + block * c_block + (pos % block_size) * c_token;
         for (int64_t h = 0; h < num_heads; ++h) {
           const float score = dot(q.data() + h * head_size, k_row + (h / group) * c_head, head_size) * fscale;
-          scores[h * ctx + pos] = score;
+          scores[h * stride + pos] = score;
           max_score[h] = std::max(max_score[h], score);
         }
       }
       // Pass 2: softmax weights.
       for (int64_t h = 0; h < num_heads; ++h) {
-        float* sc = scores.data() + h * ctx;
+        float* sc = scores.data() + h * stride;
+        for (int64_t pos = 0; pos < ctx; ++pos) sc[pos] -= max_score[h];
+        exp_in_place(sc, stride);
         float total = 0.f;
-        for (int64_t pos = 0; pos < ctx; ++pos) {
-          sc[pos] = std::exp(sc[pos] - max_score[h]);
-          total += sc[pos];
-        }
+        for (int64_t pos = 0; pos < ctx; ++pos) total += sc[pos];
         sum[h] = total;
       }
       // Pass 3: the weighted sum of the V rows.
@@ -171,13 +175,13 @@ void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
         const int64_t block = row[pos / block_size];
         const T* v_row = v_base + block * c_block + (pos % block_size) * c_token;
         for (int64_t h = 0; h < num_heads; ++h) {
-          axpy(acc.data() + h * head_size, scores[h * ctx + pos], v_row + (h / group) * c_head, head_size);
+          axpy(acc.data() + h * head_size, scores[h * stride + pos], v_row + (h / group) * c_head, head_size);
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         T* o = out_base + token * o_token + h * o_head;
         const float inv = 1.f / sum[h];
-        for (int64_t d = 0; d < head_size; ++d) o[d] = static_cast<T>(acc[h * head_size + d] * inv);
+        for (int64_t d = 0; d < head_size; ++d) o[d] = from_float<T>(acc[h * head_size + d] * inv);
       }
     }
   });
