@@ -104,7 +104,7 @@ def test_a_named_request_whose_client_times_out_runs_on_and_is_fetched_by_its_na
     cluster: Cluster,
 ) -> None:
     name = f"named-{uuid.uuid4().hex[:8]}"
-    max_tokens = 200
+    max_tokens = LONG  # so that it outlasts the client's wait however fast the worker is
     with pytest.raises(openai.APITimeoutError):
         impatient(cluster).completions.create(
             model=MODEL_NAME,
