@@ -27,6 +27,12 @@ MAX_TOKENS = 120
 RUNNING_PER_WORKER = 2
 WORKERS = ("w1", "w2")
 
+# Sentinel's own timers, each of which can fall whole on a kill: its pings come every second (the primary is
+# seen down up to 1 s past down-after), it asks the others for the objective down every second, it starts
+# the failover after a random wait of up to 1 s, and it reads the promoted replica's role every second; then
+# the services' reconnect backoff (0.5 s at most) and the request. 2.5 to 2.7 s here; 4.4 s on a slow host.
+FAILOVER_MARGIN_S = 1 + 1 + 1 + 1 + 0.5 + 0.5
+
 
 @dataclass
 class Failover:
@@ -217,14 +223,16 @@ def test_the_primary_killed_mid_stream_loses_and_duplicates_nothing(failover: Fa
     failover.assert_all_alive()
 
 
-def test_after_the_primary_dies_a_new_request_succeeds_within_down_after_plus_3_s(failover: Failover) -> None:
+def test_after_the_primary_dies_a_new_request_succeeds_within_down_after_and_sentinels_timers(
+    failover: Failover,
+) -> None:
     cluster, sentinel = failover.cluster, failover.redis
     killed_at = time.monotonic()
     sentinel.kill_master()
     # Sent right away, and again until one succeeds: the first success comes once every service follows.
     served_s = first_success_after(cluster, killed_at)
     print(f"kill -9 of the primary: first new request served {served_s:.1f} s after")
-    assert served_s <= DOWN_AFTER_MS / 1000 + 3
+    assert served_s <= DOWN_AFTER_MS / 1000 + FAILOVER_MARGIN_S
     failover.assert_all_alive()
 
 
