@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import requests
 
+from shared.backoff import SENTINEL_MAX_DELAY_S
 from shared.redis_client import connect
 from tests.support.cluster import MODEL_NAME, Cluster, free_port, running_cluster, service_env
 from tests.support.sentinel import DOWN_AFTER_MS, SentinelRedis
@@ -30,8 +31,8 @@ WORKERS = ("w1", "w2")
 # Sentinel's own timers, each of which can fall whole on a kill: its pings come every second (the primary is
 # seen down up to 1 s past down-after), it asks the others for the objective down every second, it starts
 # the failover after a random wait of up to 1 s, and it reads the promoted replica's role every second; then
-# the services' reconnect backoff (0.5 s at most) and the request. 2.5 to 2.7 s here; 4.4 s on a slow host.
-FAILOVER_MARGIN_S = 1 + 1 + 1 + 1 + 0.5 + 0.5
+# the services' reconnect backoff and half a second for the request. 2.5 to 2.7 s here; 4.4 s on a slow host.
+FAILOVER_MARGIN_S = 1 + 1 + 1 + 1 + SENTINEL_MAX_DELAY_S + 0.5
 
 
 @dataclass
