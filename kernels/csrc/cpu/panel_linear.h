@@ -1,0 +1,24 @@
+// The few-row linear layer of panel_linear_cpu.cpp, for the other CPU ops (the decode layers' loop).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace pagedserve_cpu_panel {
+
+using at::Tensor;
+
+// Whether this build multiplies with AVX2 and FMA (else a plain loop, correct but slow).
+bool panel_linear_vectorized();
+
+// The base address of a oneDNN tensor's packed bytes.
+const float* packed_data(const Tensor& weight);
+
+// out [rows, n] = x [rows, K] times the weight packed as n / panel panels of [K][panel] floats, plus bias.
+void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_t n, int64_t panel,
+                       const Tensor& bias);
+
+Tensor panel_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, int64_t panel);
+
+}  // namespace pagedserve_cpu_panel

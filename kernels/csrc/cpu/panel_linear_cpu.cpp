@@ -1,0 +1,174 @@
+// A linear layer over a few rows, against a weight in oneDNN's packed layout read in place:
+// torch.ops.pagedserve_cpu.panel_linear.
+//
+// A decode step multiplies a few rows (one per sequence) by each weight, so the product is bound by streaming
+// the weight from memory. oneDNN's kernels for so few rows leave part of that bandwidth unused. Where oneDNN
+// packs a float32 weight [N, K] as panels of P output columns, each panel [K][P] (gpu_worker/engine/
+// packed_linear.py finds out, per weight, by comparing the packed bytes with the plain weight), this kernel
+// reads the same bytes: no second copy of the weights. Each thread takes a run of column strips and, a block
+// of K at a time, multiplies every row by them with the block in L1, so the weight is read from memory once
+// whatever the number of rows. Each output is one float sum over k in order, so a row's result does not
+// depend on how many rows share the call or on the thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "panel_linear.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace pagedserve_cpu_panel {
+
+namespace {
+
+#define PAGEDSERVE_CHECK(cond, ...) TORCH_CHECK(cond, "pagedserve: ", __VA_ARGS__)
+
+constexpr int64_t kStrip = 16;       // output columns a tile computes: two AVX2 registers of floats
+constexpr int64_t kTileRows = 6;     // rows a tile computes: 12 accumulators, the rest of the registers free
+constexpr int64_t kBlockK = 128;     // rows of a panel kept in L1 while every row tile uses them
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+// rows x 16 outputs: out[r][j] (+)= sum over k of a[r][k] * b[k][j], b's rows ld floats apart.
+template <int R>
+inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out, int64_t ldo,
+                 const float* init, const float* ahead) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const float* from = init ? init : out + r * ldo;
+    lo[r] = _mm256_loadu_ps(from);
+    hi[r] = _mm256_loadu_ps(from + 8);
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    const float* bk = b + k * ld;
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kStrip), _MM_HINT_T0);
+    const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps(bk + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
+      lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * ldo, lo[r]);
+    _mm256_storeu_ps(out + r * ldo + 8, hi[r]);
+  }
+}
+
+#else
+
+template <int R>
+inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out, int64_t ldo,
+                 const float* init, const float*) {
+  float acc[R][kStrip];
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < kStrip; ++j) acc[r][j] = init ? init[j] : out[r * ldo + j];
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    for (int r = 0; r < R; ++r) {
+      for (int64_t j = 0; j < kStrip; ++j) acc[r][j] = std::fma(a[r * lda + k], b[k * ld + j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < kStrip; ++j) out[r * ldo + j] = acc[r][j];
+  }
+}
+
+#endif
+
+void tile_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out,
+               int64_t ldo, const float* init, const float* ahead) {
+  switch (rows) {
+    case 1: return tile<1>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 2: return tile<2>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 3: return tile<3>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 4: return tile<4>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 5: return tile<5>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    default: return tile<6>(a, lda, b, ld, kn, out, ldo, init, ahead);
+  }
+}
+
+}  // namespace
+
+bool panel_linear_vectorized() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_t n, int64_t panel,
+                       const Tensor& bias) {
+  PAGEDSERVE_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "x must be float32 [rows, K]");
+  PAGEDSERVE_CHECK(panel > 0 && panel % kStrip == 0 && n % panel == 0, "panels of ", panel,
+                   " columns cannot tile ", n, " outputs");
+  PAGEDSERVE_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
+                       out.size(1) == n,
+                   "out must be a contiguous float32 [rows, N]");
+  PAGEDSERVE_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
+                                       bias.numel() == n),
+                   "bias must be a contiguous float32 [N]");
+  const int64_t rows = x.size(0), k_size = x.size(1), lda = x.stride(0);
+  const float* a = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  static const float zeros[kStrip] = {};
+  // A panel is one unit of work: each block of it, [kBlockK][panel], is read from memory in one contiguous run
+  // by the first strip's first tile, and found in L1 by the others.
+  at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const float* base = weight + unit * panel * k_size;
+      for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
+        const int64_t kn = std::min(kBlockK, k_size - k0);
+        for (int64_t s = 0; s < panel / kStrip; ++s) {
+          const int64_t col = unit * panel + s * kStrip;
+          const float* bs = base + k0 * panel + s * kStrip;
+          const float* init = k0 > 0 ? nullptr : (b ? b + col : zeros);
+          for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+            const int64_t r = std::min(kTileRows, rows - r0);
+            // The first row tile of each strip prefetches its share of the next block, a line a step.
+            const float* ahead = r0 == 0 ? base + (k0 + kBlockK) * panel + s * kn * kStrip : nullptr;
+            tile_rows(r, a + r0 * lda + k0, lda, bs, panel, kn, o + r0 * n + col, n, init, ahead);
+          }
+        }
+      }
+    }
+  });
+}
+
+const float* packed_data(const Tensor& weight) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::data_ptr", "");
+  torch::jit::Stack stack{weight};
+  op.callBoxed(&stack);
+  return reinterpret_cast<const float*>(stack[0].toInt());
+}
+
+Tensor panel_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, int64_t panel) {
+  PAGEDSERVE_CHECK(weight.is_mkldnn() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+                   "weight must be a float32 [N, K] packed for oneDNN");
+  PAGEDSERVE_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "x must be [rows, ", weight.size(1), "]");
+  Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  panel_linear_into(out, x.stride(1) == 1 ? x : x.contiguous(), packed_data(weight), weight.size(0), panel,
+                    bias.has_value() ? *bias : Tensor());
+  return out;
+}
+
+}  // namespace pagedserve_cpu_panel
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  // For every dispatch key: the weight is a oneDNN tensor, the rows a plain CPU one.
+  m.def("panel_linear(Tensor x, Tensor weight, Tensor? bias, int panel) -> Tensor",
+        TORCH_FN(pagedserve_cpu_panel::panel_linear));
+  m.def("panel_linear_vectorized() -> bool", TORCH_FN(pagedserve_cpu_panel::panel_linear_vectorized));
+}
