@@ -9,6 +9,7 @@ use) when a compiler is at hand. Callers never import reference or the extension
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ __all__ = [
     "cpp_layers_support",
     "llama_decode_layers",
     "load",
+    "packed_linear",
     "paged_attention",
+    "panel_kernel_ready",
     "rms_norm",
     "rotary_write_kv",
     "silu_and_mul",
@@ -197,6 +200,7 @@ def llama_decode_layers(
     shape: tuple[int, int, int],  # num_heads, num_kv_heads, head_size
     eps: float,
     scale: float,
+    panels: list[int] | None = None,  # per layer: qkv's, o's, gate_up's, down's panel width (packed_linear)
 ) -> Tensor:
     """Every layer of a decode step in one C++ call (weights packed for oneDNN); the last hidden state, summed
     and normed by final_norm. Only where cpp_layers_support says so."""
@@ -206,5 +210,23 @@ def llama_decode_layers(
     v_caches = [v for _, v in meta.kv_caches]
     return ops.llama_decode_layers(
         hidden, weights, final_norm, cos, sin, k_caches, v_caches, meta.slot_mapping, meta.block_table,
-        meta.seq_lens, meta.query_start_loc, *shape, eps, scale,
+        meta.seq_lens, meta.query_start_loc, *shape, eps, scale, panels or [],
     )  # fmt: skip
+
+
+def panel_kernel_ready() -> bool:
+    """Whether packed_linear can multiply through the panel kernel: the CPU extension is built with AVX2 and
+    FMA (elsewhere the kernel is a plain loop, slower than oneDNN), and PAGEDSERVE_PANEL_KERNEL is not 0."""
+    if os.environ.get("PAGEDSERVE_PANEL_KERNEL", "1") == "0":
+        return False
+    ops = _cpu_ops(torch.empty(0))
+    return ops is not None and bool(ops.panel_linear_vectorized())
+
+
+def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, panel: int) -> Tensor:
+    """x [..., K] times a float32 weight packed for oneDNN, whose bytes are `panel`-column panels [K][panel]
+    (gpu_worker/engine/packed_linear.py checks): through the panel kernel for up to 128 rows (a decode step),
+    oneDNN beyond. Only where panel_kernel_ready says so."""
+    ops = _cpu_ops(x)
+    assert ops is not None
+    return ops.packed_linear(x, weight, bias, panel)

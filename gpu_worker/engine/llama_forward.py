@@ -130,6 +130,12 @@ class LlamaForward(nn.Module):
         # A decode step's layers can run in one C++ call (the CPU kernels, weights packed for oneDNN).
         self.decode_weights = self._decode_weights() if pack else None
         self.use_cpp_layers = self.decode_weights is not None
+        # Each layer's qkv, o, gate_up and down panel widths (0: oneDNN), for the C++ loop's matmuls.
+        self.decode_panels = [
+            getattr(module, "panel", 0)
+            for layer in self.layers
+            for module in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
         logger.debug("pagedserve's Llama forward over %d layers (packed: %s)", len(self.layers), pack)
 
     def _decode_weights(self) -> list[Tensor | None] | None:
@@ -183,6 +189,7 @@ class LlamaForward(nn.Module):
                 self.shape,
                 self.eps,
                 self.scale,
+                self.decode_panels,
             )
             return self.lm_head(x[logits_indices])
         residual = hidden

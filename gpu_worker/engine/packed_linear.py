@@ -6,16 +6,25 @@ not by memory. oneDNN multiplies against a weight already in its own layout, so 
 On SmolLM2 (2 threads) fp32 decode steps run 1.2 to 1.7x faster from 1 to 64 sequences, and prefill a little
 faster (`benchmarks/roofline.py`); the LM head alone 1.8 to 4x (`benchmarks/cpu_kernel_bench.py`).
 
+oneDNN's kernels for a few rows still leave part of the read bandwidth unused. Where oneDNN lays a float32
+weight out as panels of P output columns ([N / P][K][P], P = 64 on AVX2 CPUs), pagedserve's panel kernel
+(kernels/csrc/cpu/panel_linear_cpu.cpp) reads those same bytes for steps of up to 128 rows: no second copy.
+Whether a weight is so laid out is not asked of oneDNN but checked, once, byte for byte against the plain
+weight (panel_width); any other layout stays with oneDNN alone.
+
 Only the summation order changes, as with any BLAS; fp32 greedy output still equals transformers'
 (`tests/gpu_worker/engine/test_golden.py`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
 from torch import nn
+
+import kernels
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +47,34 @@ def cpu_has_bf16() -> bool:
     return bool(native) and packing_supported(torch.bfloat16)
 
 
+# Panel widths the panel kernel takes (multiples of its 16-column strips), in the order they are tried.
+PANEL_WIDTHS = (64, 32, 16, 48, 128)
+
+
+def packed_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """A oneDNN tensor's buffer as it lies in memory (float32; a view, valid while `packed` lives)."""
+    size = int(torch.ops.mkldnn._nbytes(packed))
+    buffer = (ctypes.c_char * size).from_address(int(torch.ops.mkldnn.data_ptr(packed)))
+    return torch.frombuffer(buffer, dtype=torch.float32)
+
+
+def panel_width(plain: torch.Tensor, packed: torch.Tensor) -> int:
+    """P where oneDNN packed the float32 weight `plain` [N, K] as [N / P][K][P] (each panel P output columns,
+    row k of a panel the k-th input of each), checked byte for byte; 0 for any other layout or dtype."""
+    if plain.dtype != torch.float32 or packed.dtype != torch.float32 or not kernels.panel_kernel_ready():
+        return 0
+    rows, cols = plain.shape
+    raw = packed_bytes(packed)
+    if raw.numel() != rows * cols:  # padded or blocked otherwise
+        return 0
+    for width in PANEL_WIDTHS:
+        if rows % width == 0:
+            panels = plain.view(rows // width, width, cols).transpose(1, 2)
+            if torch.equal(raw, panels.flatten()):
+                return width
+    return 0
+
+
 class PackedLinear(nn.Module):
     """Drop-in for an nn.Linear on the CPU. The packed weight replaces the plain one (same bytes, one copy)
     unless the plain one is shared, as a head tied to the embeddings is."""
@@ -46,16 +83,22 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        plain = linear.weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
+        # The panel kernel's width for this weight, 0 where it stays with oneDNN alone.
+        self.panel = panel_width(plain, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panel:
+            return kernels.packed_linear(x, self.weight, self.bias, self.panel)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+        sizes = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{sizes}, bias={bias}, panel={self.panel}"
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -19,11 +19,13 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "panel_linear.h"
 
 namespace {
 
 using at::Tensor;
 using namespace pagedserve_cpu_math;
+using pagedserve_cpu_panel::packed_linear;
 
 #define PAGEDSERVE_CHECK(cond, ...) TORCH_CHECK(cond, "pagedserve: ", __VA_ARGS__)
 #define PAGEDSERVE_EXACT __attribute__((optimize("fp-contract=off")))
@@ -237,19 +239,6 @@ void rotary_write_kv(Tensor& query,        // [tokens, heads, head_size]
   }
 }
 
-// One linear layer with a weight packed for oneDNN (gpu_worker/engine/packed_linear.py), through the dispatcher.
-Tensor packed_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x,
-                          weight,
-                          bias.defined() ? c10::IValue(bias) : c10::IValue(),
-                          c10::IValue(std::string("none")),
-                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
-                          c10::IValue()};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
 void decode_attention(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                       const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc,
                       double scale) {
@@ -261,17 +250,21 @@ void decode_attention(Tensor& out, const Tensor& q, const Tensor& k_cache, const
 
 // Weights of one layer in the order the Python side gives them (gpu_worker/engine/llama_forward.py).
 enum LayerWeight { kQkv, kQkvBias, kO, kGateUp, kDown, kInputNorm, kPostNorm, kQNorm, kKNorm, kPerLayer };
+// A layer's linear weights, in the order of their panel widths.
+enum LayerLinear { kQkvLinear, kOLinear, kGateUpLinear, kDownLinear, kLinears };
 
 // Every layer of a decode step (one query token per sequence) in one call: the loop of LlamaForward._layer,
 // with no Python between the ops. hidden is the step's embeddings [tokens, hidden_size]; returns the last
 // hidden state, summed and normed by final_norm. An undefined tensor stands for a bias or a head norm the
-// model does not have.
+// model does not have. panels: for each layer's qkv, o, gate_up and down weights, the width of the panels it is
+// packed in, for the panel kernel (panel_linear.h), 0 for oneDNN alone; empty: oneDNN for every weight.
 Tensor llama_decode_layers(const Tensor& hidden, const c10::List<std::optional<Tensor>>& given,
                            const Tensor& final_norm,
                            const Tensor& cos, const Tensor& sin, at::TensorList k_caches,
                            at::TensorList v_caches, const Tensor& slot_mapping, const Tensor& block_table,
                            const Tensor& seq_lens, const Tensor& query_start_loc, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                           int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                           at::IntArrayRef panels) {
   std::vector<Tensor> weights;
   weights.reserve(given.size());
   for (size_t j = 0; j < given.size(); ++j) {
@@ -282,6 +275,8 @@ Tensor llama_decode_layers(const Tensor& hidden, const c10::List<std::optional<T
   PAGEDSERVE_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
                        static_cast<int64_t>(v_caches.size()) == layers,
                    "weights must hold ", static_cast<int>(kPerLayer), " tensors a layer, one cache pair each");
+  PAGEDSERVE_CHECK(panels.empty() || static_cast<int64_t>(panels.size()) == layers * kLinears,
+                   "panels must give ", static_cast<int>(kLinears), " widths a layer, or none");
   PAGEDSERVE_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be a contiguous [tokens, hidden]");
   const int64_t tokens = hidden.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   PAGEDSERVE_CHECK(seq_lens.size(0) == tokens, "every sequence of a decode step has one query token");
@@ -291,7 +286,8 @@ Tensor llama_decode_layers(const Tensor& hidden, const c10::List<std::optional<T
   Tensor out;
   for (int64_t i = 0; i < layers; ++i) {
     const Tensor* w = weights.data() + i * kPerLayer;
-    const Tensor qkv = packed_linear(x, w[kQkv], w[kQkvBias]);
+    const auto panel = [&](LayerLinear which) { return panels.empty() ? 0 : panels[i * kLinears + which]; };
+    const Tensor qkv = packed_linear(x, w[kQkv], w[kQkvBias], panel(kQkvLinear));
     Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -307,12 +303,12 @@ Tensor llama_decode_layers(const Tensor& hidden, const c10::List<std::optional<T
     rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
     Tensor attended = at::empty({tokens, num_heads, head_dim}, q.options());
     decode_attention(attended, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale);
-    Tensor h = packed_linear(attended.view({tokens, q_size}), w[kO], Tensor());
+    Tensor h = packed_linear(attended.view({tokens, q_size}), w[kO], Tensor(), panel(kOLinear));
     add_rms_norm(h, residual, w[kPostNorm], eps);
-    const Tensor gate_up = packed_linear(h, w[kGateUp], Tensor());
+    const Tensor gate_up = packed_linear(h, w[kGateUp], Tensor(), panel(kGateUpLinear));
     Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
     silu_and_mul(act, gate_up);
-    out = packed_linear(act, w[kDown], Tensor());
+    out = packed_linear(act, w[kDown], Tensor(), panel(kDownLinear));
     const Tensor& next_norm = i + 1 < layers ? weights[(i + 1) * kPerLayer + kInputNorm] : final_norm;
     add_rms_norm(out, residual, next_norm, eps);
     x = out;
@@ -326,7 +322,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def(
       "llama_decode_layers(Tensor hidden, Tensor?[] weights, Tensor final_norm, Tensor cos, Tensor sin, "
       "Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, float eps, float scale) -> Tensor",
+      "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
+      "int[] panels=[]) -> Tensor",
       // For every dispatch key: the packed weights are oneDNN tensors, the rest plain CPU ones.
       TORCH_FN(llama_decode_layers));
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");

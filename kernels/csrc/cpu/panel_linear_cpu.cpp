@@ -17,6 +17,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "panel_linear.h"
 
@@ -154,21 +156,50 @@ const float* packed_data(const Tensor& weight) {
   return reinterpret_cast<const float*>(stack[0].toInt());
 }
 
-Tensor panel_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, int64_t panel) {
+Tensor onednn_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x,
+                          weight,
+                          bias.defined() ? c10::IValue(bias) : c10::IValue(),
+                          c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                          c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+Tensor packed_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t panel) {
+  const int64_t k_size = weight.size(1);
+  const int64_t rows = x.dim() == 0 ? 0 : x.numel() / std::max<int64_t>(k_size, 1);
+  if (panel == 0 || rows > kPanelMaxRows || rows == 0 || x.scalar_type() != at::kFloat) {
+    return onednn_linear(x, weight, bias);
+  }
   PAGEDSERVE_CHECK(weight.is_mkldnn() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
                    "weight must be a float32 [N, K] packed for oneDNN");
-  PAGEDSERVE_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "x must be [rows, ", weight.size(1), "]");
-  Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-  panel_linear_into(out, x.stride(1) == 1 ? x : x.contiguous(), packed_data(weight), weight.size(0), panel,
-                    bias.has_value() ? *bias : Tensor());
-  return out;
+  PAGEDSERVE_CHECK(x.size(-1) == k_size, "x must end in ", k_size, " features, got ", x.size(-1));
+  const Tensor flat = x.reshape({rows, k_size});
+  Tensor out = at::empty({rows, weight.size(0)}, x.options());
+  panel_linear_into(out, flat.stride(1) == 1 ? flat : flat.contiguous(), packed_data(weight), weight.size(0),
+                    panel, bias);
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = weight.size(0);
+  return out.view(sizes);
 }
+
+namespace {
+
+Tensor packed_linear_op(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                        int64_t panel) {
+  return packed_linear(x, weight, bias.has_value() ? *bias : Tensor(), panel);
+}
+
+}  // namespace
 
 }  // namespace pagedserve_cpu_panel
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   // For every dispatch key: the weight is a oneDNN tensor, the rows a plain CPU one.
-  m.def("panel_linear(Tensor x, Tensor weight, Tensor? bias, int panel) -> Tensor",
-        TORCH_FN(pagedserve_cpu_panel::panel_linear));
+  m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int panel) -> Tensor",
+        TORCH_FN(pagedserve_cpu_panel::packed_linear_op));
   m.def("panel_linear_vectorized() -> bool", TORCH_FN(pagedserve_cpu_panel::panel_linear_vectorized));
 }

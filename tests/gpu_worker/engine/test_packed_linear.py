@@ -1,4 +1,5 @@
-"""The CPU linear swap: nn.Linear's outputs up to summation order, every linear swapped, each weight once."""
+"""The CPU linear swap: nn.Linear's outputs up to summation order, every linear swapped, each weight once; the
+panel kernel only where oneDNN's bytes are its panels, a row's result the same whatever shares its step."""
 
 from __future__ import annotations
 
@@ -7,9 +8,17 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import kernels
 from gpu_worker import LLM
 from gpu_worker.engine.llama_forward import LlamaForward
-from gpu_worker.engine.packed_linear import PackedLinear, pack_linears, packing_supported
+from gpu_worker.engine.packed_linear import (
+    PANEL_WIDTHS,
+    PackedLinear,
+    pack_linears,
+    packed_bytes,
+    packing_supported,
+    panel_width,
+)
 
 TINY = dict(
     vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -18,15 +27,53 @@ TINY = dict(
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("num_rows", [0, 1, 2, 8, 33, 300])
-def test_matches_linear_in_fp32(num_rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("num_rows", [0, 1, 2, 8, 33, 128, 129, 300])
+@pytest.mark.parametrize("out_features", [1000, 1024])  # 1024: panels of 64 (AVX2), the panel kernel
+def test_matches_linear_in_fp32(num_rows: int, bias: bool, out_features: int) -> None:
     torch.manual_seed(num_rows)
-    linear = nn.Linear(64, 1000, bias=bias)
-    x = torch.randn(1, num_rows, 64)
+    linear = nn.Linear(200, out_features, bias=bias)
+    x = torch.randn(1, num_rows, 200)
     expected = linear(x)
     out = PackedLinear(linear)(x)
-    assert out.shape == (1, num_rows, 1000) and out.dtype == torch.float32
+    assert out.shape == (1, num_rows, out_features) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def panelled(linear: nn.Linear) -> PackedLinear:
+    packed = PackedLinear(linear)
+    if not packed.panel:
+        pytest.skip("no panel kernel here: not built with AVX2, or oneDNN lays float32 weights out otherwise")
+    return packed
+
+
+def test_a_weight_is_panelled_only_where_onednns_bytes_are_its_panels() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 960, bias=False)
+    packed = panelled(linear)
+    width = packed.panel
+    assert width in PANEL_WIDTHS
+    weight = linear.weight.detach()
+    panels = weight.view(960 // width, width, 576).transpose(1, 2)
+    assert torch.equal(packed_bytes(packed.weight).view(960 // width, 576, width), panels)
+    # The check compares bytes: another weight's, or the same in another dtype, is no match.
+    assert panel_width(weight + 1, packed.weight) == 0
+    assert panel_width(weight.to(torch.bfloat16), packed.weight) == 0
+
+
+def test_without_the_panel_kernel_every_weight_stays_with_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_PANEL_KERNEL", "0")
+    assert not kernels.panel_kernel_ready()
+    assert PackedLinear(nn.Linear(576, 960)).panel == 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool) -> None:
+    torch.manual_seed(1)
+    packed = panelled(nn.Linear(1536, 576, bias=bias))
+    x = torch.randn(128, 1536)
+    together = packed(x)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(60, 73), slice(0, 128, 2)):
+        assert torch.equal(packed(x[rows]), together[rows]), rows
 
 
 @pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU's oneDNN has no bf16")
