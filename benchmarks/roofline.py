@@ -47,6 +47,7 @@ PROMPT_LEN = 32
 # Op names by kind, for the profile's summary (the rest is "other ops").
 MATMUL_OPS = (
     "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise",
+    "pagedserve_cpu::packed_linear",
 )  # fmt: skip
 ATTENTION_OPS = ("attention", "scaled_dot_product")
 # The forwards compared: (the engine's model_impl, a decode step's layers in one C++ call).

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -177,6 +178,8 @@ Tensor packed_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   PAGEDSERVE_CHECK(weight.is_mkldnn() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
                    "weight must be a float32 [N, K] packed for oneDNN");
   PAGEDSERVE_CHECK(x.size(-1) == k_size, "x must end in ", k_size, " features, got ", x.size(-1));
+  // Named for the profiler as the op is, also where the decode layers' loop calls it directly.
+  RECORD_FUNCTION("pagedserve_cpu::packed_linear", std::vector<c10::IValue>({x}));
   const Tensor flat = x.reshape({rows, k_size});
   Tensor out = at::empty({rows, weight.size(0)}, x.options());
   panel_linear_into(out, flat.stride(1) == 1 ? flat : flat.contiguous(), packed_data(weight), weight.size(0),
