@@ -14,13 +14,12 @@ Prints the table; writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from workloads import write_json
 
 import kernels
 from gpu_worker.engine.packed_linear import PackedLinear
@@ -83,10 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{c['rows']:5d} {c['onednn_ms']:10.2f} {c['onednn_gb_s']:6.1f} {c['panel_ms']:9.2f} "
               f"{c['panel_gb_s']:6.1f} {c['speedup']:7.2f}x")  # fmt: skip
     results = {"args": vars(args), "threads": torch.get_num_threads(), "panels": panels, "cases": cases}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {write_json(results, args.json)}")
     return results
 
 
