@@ -25,7 +25,7 @@ from gpu_worker.engine.model_loader import resolve_model_path
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
 from shared.keys import Keys
-from tests.support.cluster import free_port, start_redis_server
+from tests.support.cluster import start_redis_on_a_free_port
 
 # Large enough weights that the random model's next-token distribution is peaked: greedy comparisons
 # against transformers then never hinge on a near-tie decided by rounding.
@@ -81,8 +81,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         return
     except redis.RedisError:
         pass
-    port = free_port()
-    proc = start_redis_server(port, tmp_path_factory.mktemp("redis"))
+    proc, port = start_redis_on_a_free_port(tmp_path_factory.mktemp("redis"))
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:

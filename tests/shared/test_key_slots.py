@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 import io
 import json
-import subprocess
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,7 +40,7 @@ from shared.protocol import Assignment, GenerateRequest, Heartbeat, encode
 from shared.redis_client import connect
 from shared.sampling import SamplingSpec
 from shared.settings import DEFAULT_MODEL_NAME
-from tests.support.cluster import free_port
+from tests.support.cluster import start_redis_on_a_free_port
 from tests.support.key_slots import (
     SCRIPT_CALLS,
     Group,
@@ -170,26 +170,12 @@ def test_the_slot_function_follows_the_cluster_specification() -> None:
 def cluster_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
     """A redis-server in cluster mode holding every slot (CLUSTER KEYSLOT answers there alone)."""
     folder = tmp_path_factory.mktemp("cluster-node")
-    port = free_port()
-    try:
-        proc = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-            + ["--cluster-enabled", "yes", "--cluster-config-file", str(folder / "nodes.conf")]
-            + ["--dir", str(folder)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    except FileNotFoundError:
+    if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    # Timeouts: a connect made before the server listens can meet itself on the port and wait forever.
+    cluster = ("--cluster-enabled", "yes", "--cluster-config-file", str(folder / "nodes.conf"))
+    proc, port = start_redis_on_a_free_port(folder, extra=cluster)
     client = redis.Redis(port=port, decode_responses=True, socket_timeout=5, socket_connect_timeout=2)
     try:
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except (redis.ConnectionError, redis.TimeoutError):
-                time.sleep(0.05)
         client.execute_command("CLUSTER ADDSLOTSRANGE", 0, 16383)
         yield client
     finally:

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,28 +37,61 @@ def free_port() -> int:
 DURABLE_REDIS = ("--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy", "noeviction")
 
 
-def start_redis_server(port: int, workdir: Path, durable: bool = False) -> subprocess.Popen[bytes]:
+REDIS_START_TIMEOUT_S = 60  # a loaded CI machine has taken seconds to open the port
+
+
+class RedisStartError(RuntimeError):
+    """redis-server exited before it answered (its port taken meanwhile, most often) or never answered."""
+
+
+def start_redis_server(
+    port: int, workdir: Path, durable: bool = False, extra: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
     """A redis-server of the test's own on port, answering when this returns: keeping its data in workdir
-    (durable: as deployed) or nothing at all."""
+    (durable: as deployed) or nothing at all; extra: more of its options (--cluster-enabled ...)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
     persistence = DURABLE_REDIS if durable else ("--appendonly", "no")
+    log = workdir / f"redis-{port}.log"
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence]
-        + ["--dir", str(workdir)],
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence, *extra]
+        + ["--dir", str(workdir), "--logfile", str(log)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    client = redis.Redis(port=port, socket_connect_timeout=1)
-    for _ in range(200):
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
+    # Timeouts: a connect made before the server listens can meet itself on the port and wait forever.
+    client = redis.Redis(port=port, socket_connect_timeout=1, socket_timeout=5)
+    deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                client.ping()
+                return proc
+            except (redis.ConnectionError, redis.TimeoutError):
+                time.sleep(0.05)
+    finally:
+        client.close()
     proc.kill()
-    raise RuntimeError(f"redis-server did not start on port {port}")
+    proc.wait(timeout=10)
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    status = proc.returncode
+    raise RedisStartError(f"redis-server on port {port} did not answer (exit status {status}):\n{tail}")
+
+
+def start_redis_on_a_free_port(
+    workdir: Path, extra: Sequence[str] = (), tries: int = 3
+) -> tuple[subprocess.Popen[bytes], int]:
+    """start_redis_server on a port free when asked; another one when something took it before the server
+    bound it (the port is free only until someone binds it)."""
+    for attempt in range(tries):
+        port = free_port()
+        try:
+            return start_redis_server(port, workdir, extra=extra), port
+        except RedisStartError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def process_tree(pid: int) -> list[int]:
