@@ -41,7 +41,7 @@ REDIS_START_TIMEOUT_S = 60  # a loaded CI machine has taken seconds to open the 
 
 
 class RedisStartError(RuntimeError):
-    """redis-server exited before it answered (its port taken meanwhile, most often) or never answered."""
+    """redis-server exited before it answered: its port taken meanwhile, most often."""
 
 
 def start_redis_server(
@@ -72,26 +72,26 @@ def start_redis_server(
                 time.sleep(0.05)
     finally:
         client.close()
+    exited = proc.poll() is not None
     proc.kill()
     proc.wait(timeout=10)
     tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-    status = proc.returncode
-    raise RedisStartError(f"redis-server on port {port} did not answer (exit status {status}):\n{tail}")
+    if exited:
+        raise RedisStartError(f"redis-server on port {port} exited ({proc.returncode}):\n{tail}")
+    raise RuntimeError(f"redis-server on port {port} did not answer in {REDIS_START_TIMEOUT_S} s:\n{tail}")
 
 
 def start_redis_on_a_free_port(
     workdir: Path, extra: Sequence[str] = (), tries: int = 3
 ) -> tuple[subprocess.Popen[bytes], int]:
     """start_redis_server on a port free when asked; another one when something took it before the server
-    bound it (the port is free only until someone binds it)."""
-    for attempt in range(tries):
+    bound it (the port is free only until someone binds it). The last try's error is the one raised."""
+    for _ in range(tries - 1):
         port = free_port()
-        try:
+        with contextlib.suppress(RedisStartError):
             return start_redis_server(port, workdir, extra=extra), port
-        except RedisStartError:
-            if attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
+    port = free_port()
+    return start_redis_server(port, workdir, extra=extra), port
 
 
 def process_tree(pid: int) -> list[int]:
