@@ -16,7 +16,6 @@ from gateway.metrics import kv_usage
 from shared.keys import Keys
 from shared.kv_map import count_states, decode_states
 from shared.protocol import Heartbeat
-from shared.redis_client import NamedPipeline
 from shared.registry import WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -62,21 +61,19 @@ def worker_state(
 
 
 def read_state(client: redis.Redis, keys: Keys, registry: WorkerRegistry) -> dict[str, Any]:
-    """Everything the page shows, read at one moment (four round trips: the registry's two, the maps and
-    the routing log, the scheduler's stats)."""
-    snapshot = registry.read(with_load=True)
-    pipe = NamedPipeline(client)
-    for wid in snapshot.live:
-        pipe.named(wid).get(keys.kv_map(wid))
-    pipe.named("routes").lrange(keys.routing_log, 0, ROUTES_SHOWN - 1)
-    replies = pipe.execute()
+    """Everything the page shows (four round trips: the registry's two, which read each worker's heartbeat
+    and map as of one moment, the routing log, the scheduler's stats)."""
+    snapshot = registry.read(with_load=True, with_maps=True)
+    raw_routes: list[str] = client.lrange(keys.routing_log, 0, ROUTES_SHOWN - 1)  # type: ignore[assignment]
     now = time.time()
     workers = [
-        worker_state(beat, replies[wid], snapshot.num_assigned[wid], snapshot.reserved_blocks[wid], now)
+        worker_state(
+            beat, snapshot.kv_maps[wid], snapshot.num_assigned[wid], snapshot.reserved_blocks[wid], now
+        )
         for wid, beat in sorted(snapshot.live.items())
     ]
     routes = []
-    for raw in replies["routes"]:
+    for raw in raw_routes:
         try:
             routes.append(json.loads(raw))
         except ValueError:

@@ -33,6 +33,8 @@ class RegistrySnapshot:
     # Per live worker, when asked for: requests assigned to it, and blocks reserved for those not taken in.
     num_assigned: dict[str, int] = field(default_factory=dict)
     reserved_blocks: dict[str, int] = field(default_factory=dict)
+    # Per live worker, when asked for: its KV map (shared.kv_map), None where it has none.
+    kv_maps: dict[str, str | None] = field(default_factory=dict)
 
 
 class WorkerRegistry:
@@ -64,19 +66,22 @@ class WorkerRegistry:
         wanted = json.dumps(model)  # as Heartbeat.to_hash writes it
         return [wid for wid in worker_ids if replies[wid] == wanted]
 
-    def read(self, *, with_load: bool = False) -> RegistrySnapshot:
-        """Every registered worker's heartbeat (with_load: and its assignments and reservation counter): two
-        round trips."""
+    def read(self, *, with_load: bool = False, with_maps: bool = False) -> RegistrySnapshot:
+        """Every registered worker's heartbeat (with_load: and its assignments and reservation counter;
+        with_maps: and its KV map, in one transaction with the heartbeat, as the worker writes them, so that
+        the two are of one moment): two round trips."""
         worker_ids = self.worker_ids()
         snapshot = RegistrySnapshot()
         if not worker_ids:
             return snapshot
-        pipe = NamedPipeline(self._client)
+        pipe = NamedPipeline(self._client, transaction=with_maps)
         for wid in worker_ids:
             pipe.named(("heartbeat", wid)).hgetall(self._keys.worker(wid))
             if with_load:
                 pipe.named(("assigned", wid)).hlen(self._keys.assigned(wid))
                 pipe.named(("reserved", wid)).get(self._keys.reserved(wid))
+            if with_maps:
+                pipe.named(("kv_map", wid)).get(self._keys.kv_map(wid))
         replies = pipe.execute()
         for wid in worker_ids:
             fields = replies[("heartbeat", wid)]
@@ -92,6 +97,8 @@ class WorkerRegistry:
             if with_load:
                 snapshot.num_assigned[wid] = int(replies[("assigned", wid)])
                 snapshot.reserved_blocks[wid] = max(0, int(replies[("reserved", wid)] or 0))
+            if with_maps:
+                snapshot.kv_maps[wid] = replies[("kv_map", wid)]
         return snapshot
 
     def scheduler_stats(self) -> SchedulerStats | None:

@@ -134,6 +134,11 @@ SITES: dict[str, Site | None] = {
     "shared/streams.py:Lease.__init__": script(  # the lease script, run by renew() and release()
         lambda k: [[k.scheduler_lock], [k.batch_lease(B)]], "scheduler_lock"
     ),
+    "shared/registry.py:WorkerRegistry.read": multi(  # with_maps: each heartbeat with its map (dashboard)
+        lambda k: [[k.worker(W), k.assigned(W), k.reserved(W), k.kv_map(W)] + [k.worker(W2), k.kv_map(W2)]],
+        "kv_map",
+        "assigned",
+    ),
     # Its caller's: NamedPipeline(client, transaction=True) is a site of its own.
     "shared/redis_client.py:NamedPipeline.__init__": None,
 }
@@ -150,7 +155,7 @@ ALLOWED: dict[str, str] = {
 UNEXERCISED: dict[str, str] = {
     "gateway/serving/generation.py:Generation._resend": "only once Redis came back without the request",
     "gpu_worker/service.py:WorkerService.__init__": "its recount runs only when a worker rejoins a Redis",
-    "shared/redis_client.py:NamedPipeline.__init__": "no caller asks it for a transaction",
+    "shared/redis_client.py:NamedPipeline.__init__": "its callers' transactions are sites of their own",
 }
 
 
@@ -407,7 +412,7 @@ def run_workload(
         drop_a_stream(client, r, keys)
         run_a_background_response(client)
         run_a_batch(client, common)
-        assert client.get("/metrics").status_code == 200
+        assert client.get("/metrics").status_code == client.get("/dashboard/state").status_code == 200
         wait_until(lambda: r.hlen(keys.finished(ghost_rid)) == 1, timeout=30)
     finally:
         for worker in workers:
