@@ -12,6 +12,7 @@ from gpu_worker.engine.sampling_params import SamplingParams
 from shared.errors import CodedError, ErrorCode, RequestRejected
 from shared.protocol import Assignment, GenerateRequest, decode
 from shared.sampling import SamplingSpec
+from shared.streams import Fields, read_inbox_entry
 
 # An unreadable assignment is answered with one error event per sample; a garbled count cannot ask for more.
 MAX_SALVAGED_SAMPLES = 128
@@ -65,6 +66,16 @@ def engine_requests(request: GenerateRequest) -> list[EngineRequest]:
             )
         out.append(EngineRequest(f"{rid}#{index}", request.prompt_token_ids + done, params, index, len(done)))
     return out
+
+
+def unread_request_ids(entries: list[tuple[str, Fields]]) -> set[str]:
+    """The ids of the requests that inbox entries (as XRANGE returns them) assign; unreadable ones skipped."""
+    ids = set()
+    for _entry_id, fields in entries:
+        request = salvage_request(read_inbox_entry(fields)[0])
+        if request is not None:
+            ids.add(request.request_id)
+    return ids
 
 
 def read_assignment(data: str | None) -> Assignment:

@@ -12,7 +12,7 @@ from typing import Any
 import pydantic
 import redis
 
-from gpu_worker.assignments import read_assignment, salvage_request
+from gpu_worker.assignments import read_assignment, salvage_request, unread_request_ids
 from gpu_worker.engine.llm_engine import LLMEngine
 from gpu_worker.kv_publisher import KVPublisher
 from gpu_worker.outbox import Outbox
@@ -111,26 +111,38 @@ class WorkerService:
         worker wrote lately is written again (the outbox keeps it, shared.records makes it idempotent); a
         request it runs whose assignment the new master lacks was assigned after the last write the replica
         got, so the scheduler assigns it again from the requests stream and it is dropped here; and the
-        reservation counter is recounted from the inbox (shared.reservations).
+        reservation counter is recounted from the inbox (shared.reservations). An assignment of a request
+        that ended here while its writes were lost (its HDEL among them) would hold a place on this worker
+        for ever: the hash keeps only what runs here or waits unread in the inbox.
         """
         resent = self.outbox.resend(self.redis)
-        held = NamedPipeline(self.redis)
-        for rid in self.active:
-            held.named(rid).hexists(self.keys.assigned(self.worker_id), rid)
-        lost = [str(rid) for rid, kept in held.execute().items() if not kept]
+        assigned_key = self.keys.assigned(self.worker_id)
+        read = NamedPipeline(self.redis)
+        # The admit script adds an assignment and its inbox entry at once: one added after the first read
+        # is in neither reply, one added before it is in both.
+        read.named("assigned").hkeys(assigned_key)
+        read.named("unread").xrange(self.keys.inbox(self.worker_id), min=f"({self.inbox_last_id}")
+        replies = read.execute()
+        assigned = set(replies["assigned"])
+        lost = [rid for rid in self.active if rid not in assigned]
         for rid in lost:
             self.table.drop(rid)
+        stale = assigned - set(self.active) - unread_request_ids(replies["unread"])
+        if stale:
+            self.redis.hdel(assigned_key, *stale)
         self._recount(
             keys=[self.keys.inbox(self.worker_id), self.keys.reserved(self.worker_id)],
             args=[self.inbox_last_id],
         )
         self._taken_blocks = 0
-        if resent or lost:
+        if resent or lost or stale:
             logger.warning(
-                "worker %s: Redis was away; wrote %d commands again, dropped %d requests it no longer holds",
+                "worker %s: Redis was away; wrote %d commands again, dropped %d requests it no longer holds, "
+                "removed %d assignments of requests it no longer runs",
                 self.worker_id,
                 resent,
                 len(lost),
+                len(stale),
             )
 
     def _create_group(self) -> None:

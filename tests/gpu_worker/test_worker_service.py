@@ -278,6 +278,32 @@ def test_worker_declared_dead_drops_its_requests_and_rejoins(worker: WorkerServi
     assert collect(worker, pubsub, 1)[-1].finish_reason == "length"
 
 
+def test_after_lost_writes_the_assigned_hash_keeps_only_what_runs_or_waits_unread(
+    worker: WorkerService,
+) -> None:
+    """A failover lost the end of a request (its HDEL with it) and the assignment of one running here: the
+    first leaves the hash, as its place on this worker would be taken for ever; the second is dropped, as
+    the scheduler assigns it again; what runs and what waits unread in the inbox stay."""
+    client, keys = worker.redis, worker.keys
+    for rid in ("runs", "unassigned"):
+        assign(client, keys, request(rid, max_tokens=500))
+    worker.run_once()
+    assert set(worker.active) == {"runs", "unassigned"}
+    client.hdel(keys.assigned("w1"), "unassigned")
+    ended = Assignment(worker_id="w1", request=request("ended"), reserved_blocks=2)
+    client.hset(keys.assigned("w1"), "ended", encode(ended))
+    assign(client, keys, request("unread"))
+    worker.register()  # as after a Redis error, with the inbox still there
+    assert set(client.hkeys(keys.assigned("w1"))) == {"runs", "unread"}
+    assert set(worker.active) == {"runs"}
+    for rid in ("runs", "unread"):
+        client.publish(keys.aborts, encode(AbortMessage(request_id=rid)))
+        client.set(keys.abort_flag(rid), 1, ex=60)
+    for _ in range(3):
+        worker.run_once()
+    assert not worker.active and not client.hkeys(keys.assigned("w1"))
+
+
 def beat_of(worker: WorkerService) -> Heartbeat:
     worker.heartbeat()
     return Heartbeat.from_hash(worker.redis.hgetall(worker.keys.worker("w1")))  # type: ignore[arg-type]
