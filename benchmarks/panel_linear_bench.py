@@ -2,12 +2,16 @@
 
     .venv/bin/python benchmarks/panel_linear_bench.py                  # rows 1 to 256, ~1 min
     .venv/bin/python benchmarks/panel_linear_bench.py --rows 1 8 32
+    .venv/bin/python benchmarks/panel_linear_bench.py --dtype bfloat16  # on a CPU with AVX512_BF16
+    PAGEDSERVE_PANEL_AVX512=0 .venv/bin/python benchmarks/panel_linear_bench.py  # AVX2 tiles, AVX-512 CPU
 
-Every layer's qkv, o, gate_up and down weights at SmolLM2's shapes (30 layers, fp32, 424 MB: more than any
-cache), each packed once for oneDNN (PackedLinear). One timed call multiplies the same rows by all of them in
-turn, as a decode step does, so each weight comes from memory; best of --repeats. oneDNN is
-torch.ops.mkldnn._linear_pointwise; the panel kernel (kernels/csrc/cpu/panel_linear_cpu.cpp) reads the same
-bytes, which is what PackedLinear runs for up to 128 rows. GB/s is the weights' bytes over the time.
+Every layer's qkv, o, gate_up and down weights at SmolLM2's shapes (30 layers, 424 MB in fp32, 212 MB in
+bf16: more than any cache), each packed once for oneDNN (PackedLinear). One timed call multiplies the same
+rows by all of them in turn, as a decode step does, so each weight comes from memory; best of --repeats.
+oneDNN is torch.ops.mkldnn._linear_pointwise; the panel kernel (kernels/csrc/cpu/panel_linear_cpu.cpp) reads
+the same bytes, which is what PackedLinear runs for up to 128 rows. GB/s is the weights' bytes over the time.
+The panel kernel runs AVX-512 tiles where the CPU has them (PAGEDSERVE_PANEL_AVX512=0: its AVX2 tiles), and
+takes bf16 weights where the CPU has AVX512_BF16.
 Prints the table; writes JSON.
 """
 
@@ -45,17 +49,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--json", default="benchmarks/results/panel_linear_bench.json")
     args = parser.parse_args(argv)
-    assert kernels.panel_kernel_ready(), (
-        "no panel kernel here (not built with AVX2, or PAGEDSERVE_PANEL_KERNEL=0)"
+    dtype = getattr(torch, args.dtype)
+    kernels.load(torch.device("cpu"), dtype)
+    assert kernels.panel_kernel_ready(dtype), (
+        f"no {args.dtype} panel kernel here (fp32: not built with AVX2; bf16: no AVX512_BF16; "
+        "or PAGEDSERVE_PANEL_KERNEL=0)"
     )
     torch.manual_seed(0)
     with torch.inference_mode():
-        weights = [PackedLinear(nn.Linear(k, n, bias=False)) for _ in range(args.layers) for n, k in SHAPES]
+        weights = [
+            PackedLinear(nn.Linear(k, n, bias=False).to(dtype)) for _ in range(args.layers) for n, k in SHAPES
+        ]
         panels = sorted({w.panel for w in weights})
         assert 0 not in panels, "oneDNN lays these weights out other than as panels on this CPU"
-        gigabytes = sum(w.in_features * w.out_features * 4 for w in weights) / 1e9
+        gigabytes = sum(w.in_features * w.out_features * dtype.itemsize for w in weights) / 1e9
 
         def onednn(linear: PackedLinear, x: torch.Tensor) -> torch.Tensor:
             return torch.ops.mkldnn._linear_pointwise(x, linear.weight, None, "none", [], "")
@@ -65,17 +75,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         cases = []
         for rows in args.rows:
-            inputs = {k: torch.randn(rows, k) for k in (HIDDEN, INTERMEDIATE)}
+            inputs = {k: torch.randn(rows, k, dtype=dtype) for k in (HIDDEN, INTERMEDIATE)}
             sample = weights[0]
-            ref = onednn(sample, inputs[sample.in_features])
-            torch.testing.assert_close(panel(sample, inputs[sample.in_features]), ref, atol=1e-4, rtol=1e-4)
+            ref = onednn(sample, inputs[sample.in_features]).float()
+            close = 1e-4 if dtype == torch.float32 else 2e-2
+            got = panel(sample, inputs[sample.in_features]).float()
+            torch.testing.assert_close(got, ref, atol=close, rtol=close)
             onednn_ms = step_ms(onednn, weights, inputs, args.repeats)
             panel_ms = step_ms(panel, weights, inputs, args.repeats)
             cases.append({"rows": rows, "onednn_ms": onednn_ms, "panel_ms": panel_ms,
                           "onednn_gb_s": gigabytes / onednn_ms * 1e3,
                           "panel_gb_s": gigabytes / panel_ms * 1e3,
                           "speedup": onednn_ms / panel_ms})  # fmt: skip
-    print(f"a decode step's matmuls, {args.layers} layers, {gigabytes * 1e3:.0f} MB fp32, "
+    print(f"a decode step's matmuls, {args.layers} layers, {gigabytes * 1e3:.0f} MB {args.dtype}, "
           f"panels of {panels}, {torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'rows':>5} {'oneDNN ms':>10} {'GB/s':>6} {'panel ms':>9} {'GB/s':>6} {'speedup':>8}")
     for c in cases:

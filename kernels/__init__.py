@@ -214,19 +214,24 @@ def llama_decode_layers(
     )  # fmt: skip
 
 
-def panel_kernel_ready() -> bool:
-    """Whether packed_linear can multiply through the panel kernel: the CPU extension is built with AVX2 and
-    FMA (elsewhere the kernel is a plain loop, slower than oneDNN), and PAGEDSERVE_PANEL_KERNEL is not 0."""
+def panel_kernel_ready(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether packed_linear can multiply `dtype` rows through the panel kernel: float32 where the CPU
+    extension is built with AVX2 and FMA or the CPU has AVX-512 (elsewhere the kernel is a plain loop, slower
+    than oneDNN), bfloat16 where the CPU has AVX512_BF16; and PAGEDSERVE_PANEL_KERNEL is not 0."""
     if os.environ.get("PAGEDSERVE_PANEL_KERNEL", "1") == "0":
         return False
     ops = _cpu_ops(torch.empty(0))
-    return ops is not None and bool(ops.panel_linear_vectorized())
+    if ops is None:
+        return False
+    if dtype == torch.float32:
+        return bool(ops.panel_linear_vectorized())
+    return dtype == torch.bfloat16 and bool(ops.panel_linear_bf16())
 
 
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, panel: int) -> Tensor:
-    """x [..., K] times a float32 weight packed for oneDNN, whose bytes are `panel`-column panels [K][panel]
-    (gpu_worker/engine/packed_linear.py checks): through the panel kernel for up to 128 rows (a decode step),
-    oneDNN beyond. Only where panel_kernel_ready says so."""
+    """x [..., K] times a weight packed for oneDNN, whose bytes are `panel`-column panels (gpu_worker/engine/
+    packed_linear.py checks): through the panel kernel for up to 128 rows (a decode step), oneDNN beyond. Only
+    where panel_kernel_ready says so for x's dtype."""
     ops = _cpu_ops(x)
     assert ops is not None
     return ops.packed_linear(x, weight, bias, panel)

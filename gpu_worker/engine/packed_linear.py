@@ -7,8 +7,10 @@ On SmolLM2 (2 threads) fp32 decode steps run 1.2 to 1.7x faster from 1 to 64 seq
 faster (`benchmarks/roofline.py`); the LM head alone 1.8 to 4x (`benchmarks/cpu_kernel_bench.py`).
 
 oneDNN's kernels for a few rows still leave part of the read bandwidth unused. Where oneDNN lays a float32
-weight out as panels of P output columns ([N / P][K][P], P = 64 on AVX2 CPUs), pagedserve's panel kernel
-(kernels/csrc/cpu/panel_linear_cpu.cpp) reads those same bytes for steps of up to 128 rows: no second copy.
+weight out as panels of P output columns ([N / P][K][P], P = 64 on AVX2 and AVX-512 CPUs), pagedserve's panel
+kernel (kernels/csrc/cpu/panel_linear_cpu.cpp) reads those same bytes for steps of up to 128 rows: no second
+copy. A bfloat16 weight, on a CPU with AVX512_BF16, is laid out as panels of pairs ([N / P][K / 2][P][2]),
+which the kernel's bfloat16 tiles read in place the same way.
 Whether a weight is so laid out is not asked of oneDNN but checked, once, byte for byte against the plain
 weight (panel_width); any other layout stays with oneDNN alone.
 
@@ -52,26 +54,33 @@ PANEL_WIDTHS = (64, 32, 16, 48, 128)
 
 
 def packed_bytes(packed: torch.Tensor) -> torch.Tensor:
-    """A oneDNN tensor's buffer as it lies in memory (float32; a view, valid while `packed` lives)."""
+    """A oneDNN tensor's buffer as it lies in memory, in its dtype (a view, valid while `packed` lives)."""
     size = int(torch.ops.mkldnn._nbytes(packed))
     buffer = (ctypes.c_char * size).from_address(int(torch.ops.mkldnn.data_ptr(packed)))
-    return torch.frombuffer(buffer, dtype=torch.float32)
+    return torch.frombuffer(buffer, dtype=packed.dtype)
 
 
 def panel_width(plain: torch.Tensor, packed: torch.Tensor) -> int:
-    """P where oneDNN packed the float32 weight `plain` [N, K] as [N / P][K][P] (each panel P output columns,
-    row k of a panel the k-th input of each), checked byte for byte; 0 for any other layout or dtype."""
-    if plain.dtype != torch.float32 or packed.dtype != torch.float32 or not kernels.panel_kernel_ready():
+    """P where oneDNN packed the weight `plain` [N, K] as panels of P output columns, checked byte for byte:
+    in float32 [N / P][K][P] (row k of a panel the k-th input of each column), in bfloat16
+    [N / P][K / 2][P][2] (each column's inputs k and k + 1 side by side); 0 for any other layout, or where the
+    panel kernel does not run this dtype."""
+    if plain.dtype != packed.dtype or not kernels.panel_kernel_ready(plain.dtype):
         return 0
     rows, cols = plain.shape
     raw = packed_bytes(packed)
-    if raw.numel() != rows * cols:  # padded or blocked otherwise
+    if raw.numel() != rows * cols or cols % 2:  # padded or blocked otherwise
         return 0
     for width in PANEL_WIDTHS:
-        if rows % width == 0:
+        if rows % width:
+            continue
+        if plain.dtype == torch.float32:
             panels = plain.view(rows // width, width, cols).transpose(1, 2)
-            if torch.equal(raw, panels.flatten()):
-                return width
+        else:
+            panels = plain.view(rows // width, width, cols // 2, 2).transpose(1, 2)
+        # Compared as integers: the same bits, whatever they mean (a NaN equals itself).
+        if torch.equal(raw.view(torch.int16), panels.flatten().view(torch.int16)):
+            return width
     return 0
 
 

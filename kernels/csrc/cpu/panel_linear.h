@@ -3,14 +3,30 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <optional>
 
 namespace pagedserve_cpu_panel {
 
 using at::Tensor;
 
-// Whether this build multiplies with AVX2 and FMA (else a plain loop, correct but slow).
+// Whether this build multiplies with AVX2 and FMA, or this CPU with AVX-512 (else a plain loop, correct but slow).
 bool panel_linear_vectorized();
+
+// Whether this CPU multiplies bfloat16 panels (AVX512_BF16); elsewhere bfloat16 weights stay with oneDNN.
+bool panel_linear_bf16();
+
+// What the CPU has, asked at run time (panel_tiles_avx512.cpp).
+bool cpu_has_avx512();
+bool cpu_has_avx512_bf16();
+
+// AVX-512 register tiles: rows (at most 6) x width (16 to 64) outputs over kn steps of k (panel_tiles_avx512.cpp).
+// out [rows][ldo] gets init (the bias, or zeros) or its own values plus the sums over the steps; ahead: a line a
+// step to prefetch, or null. The bfloat16 tile's a and b are pairs of bfloat16, and kn, lda and ld count pairs.
+void tile_f32_avx512(int64_t rows, int64_t width, const float* a, int64_t lda, const float* b, int64_t ld,
+                     int64_t kn, float* out, int64_t ldo, const float* init, const float* ahead);
+void tile_bf16_avx512(int64_t rows, int64_t width, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ld,
+                      int64_t kn, float* out, int64_t ldo, const float* init, const uint32_t* ahead);
 
 // The base address of a oneDNN tensor's packed bytes.
 const float* packed_data(const Tensor& weight);
@@ -19,8 +35,14 @@ const float* packed_data(const Tensor& weight);
 void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_t n, int64_t panel,
                        const Tensor& bias);
 
+// x [rows, K] (bfloat16) times the weight packed as n / panel panels of [K / 2][panel] pairs of bfloat16, plus
+// bias: float32 sums, each rounded once to bfloat16. Only where panel_linear_bf16().
+Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n, int64_t panel, const Tensor& bias);
+
 // Up to this many rows the panel kernel outruns oneDNN's (about 1.1x at 128 rows, and oneDNN is ahead by 256).
 constexpr int64_t kPanelMaxRows = 128;
+// The same for bfloat16 weights (benchmarks/panel_linear_bench.py --dtype bfloat16).
+constexpr int64_t kPanelMaxRowsBF16 = 128;
 
 // x [..., K] times a weight packed for oneDNN (gpu_worker/engine/packed_linear.py), plus bias (undefined for
 // none): through the panel kernel where the weight is float32 panels of `panel` columns and x has at most

@@ -1,5 +1,5 @@
 // A linear layer over a few rows, against a weight in oneDNN's packed layout read in place:
-// torch.ops.pagedserve_cpu.panel_linear.
+// torch.ops.pagedserve_cpu.packed_linear.
 //
 // A decode step multiplies a few rows (one per sequence) by each weight, so the product is bound by streaming
 // the weight from memory. oneDNN's kernels for so few rows leave part of that bandwidth unused. Where oneDNN
@@ -8,7 +8,9 @@
 // reads the same bytes: no second copy of the weights. Each thread takes a run of column strips and, a block
 // of K at a time, multiplies every row by them with the block in L1, so the weight is read from memory once
 // whatever the number of rows. Each output is one float sum over k in order, so a row's result does not
-// depend on how many rows share the call or on the thread count.
+// depend on how many rows share the call or on the thread count. The register tiles are AVX2 here, AVX-512
+// where the CPU has it (panel_tiles_avx512.cpp, the same sums); bfloat16 weights, laid out by oneDNN in pairs
+// of k, go through AVX512_BF16's pair dot product where the CPU has it, and through oneDNN elsewhere.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -18,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -89,8 +92,8 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_
 
 #endif
 
-void tile_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out,
-               int64_t ldo, const float* init, const float* ahead) {
+void tile_rows(int64_t rows, int64_t, const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn,
+               float* out, int64_t ldo, const float* init, const float* ahead) {
   switch (rows) {
     case 1: return tile<1>(a, lda, b, ld, kn, out, ldo, init, ahead);
     case 2: return tile<2>(a, lda, b, ld, kn, out, ldo, init, ahead);
@@ -101,15 +104,63 @@ void tile_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_
   }
 }
 
+// AVX-512 where the CPU has it, unless PAGEDSERVE_PANEL_AVX512=0 (to compare the two on one machine).
+bool use_avx512() {
+  static const bool use = [] {
+    const char* flag = std::getenv("PAGEDSERVE_PANEL_AVX512");
+    return cpu_has_avx512() && !(flag && std::string(flag) == "0");
+  }();
+  return use;
+}
+
+// The widest strip an AVX-512 tile takes (up to four registers of 16) that divides the panel.
+int64_t avx512_strip(int64_t panel) {
+  for (int64_t width : {64, 48, 32}) {
+    if (panel % width == 0) return width;
+  }
+  return 16;
+}
+
+// out [rows, n] (float32, row stride n) = a [rows, k_size] times the weight as n / panel panels [k_size][panel] of
+// T (a float, or a pair of bfloat16), plus bias. tile(rows, strip, ...) computes rows x strip outputs.
+template <typename T, typename Tile>
+void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T* weight, int64_t n, int64_t k_size,
+                     int64_t panel, int64_t strip, const float* bias, Tile tile) {
+  static const float zeros[64] = {};
+  // A panel is one unit of work: each block of it, [kBlockK][panel], is read from memory in one contiguous run
+  // by the first strip's first tile, and found in L1 by the others.
+  at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const T* base = weight + unit * panel * k_size;
+      for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
+        const int64_t kn = std::min(kBlockK, k_size - k0);
+        for (int64_t s = 0; s < panel / strip; ++s) {
+          const int64_t col = unit * panel + s * strip;
+          const T* bs = base + k0 * panel + s * strip;
+          const float* init = k0 > 0 ? nullptr : (bias ? bias + col : zeros);
+          for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+            const int64_t r = std::min(kTileRows, rows - r0);
+            // The first row tile of each strip prefetches its share of the next block, a line a step.
+            const T* ahead = r0 == 0 ? base + (k0 + kBlockK) * panel + s * kn * strip : nullptr;
+            tile(r, strip, a + r0 * lda + k0, lda, bs, panel, kn, out + r0 * n + col, n, init, ahead);
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 bool panel_linear_vectorized() {
 #if defined(__AVX2__) && defined(__FMA__)
   return true;
 #else
-  return false;
+  return cpu_has_avx512();
 #endif
 }
+
+bool panel_linear_bf16() { return cpu_has_avx512_bf16(); }
 
 void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_t n, int64_t panel,
                        const Tensor& bias) {
@@ -122,32 +173,33 @@ void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_
   PAGEDSERVE_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
                                        bias.numel() == n),
                    "bias must be a contiguous float32 [N]");
-  const int64_t rows = x.size(0), k_size = x.size(1), lda = x.stride(0);
-  const float* a = x.data_ptr<float>();
-  float* o = out.data_ptr<float>();
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  static const float zeros[kStrip] = {};
-  // A panel is one unit of work: each block of it, [kBlockK][panel], is read from memory in one contiguous run
-  // by the first strip's first tile, and found in L1 by the others.
-  at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const float* base = weight + unit * panel * k_size;
-      for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
-        const int64_t kn = std::min(kBlockK, k_size - k0);
-        for (int64_t s = 0; s < panel / kStrip; ++s) {
-          const int64_t col = unit * panel + s * kStrip;
-          const float* bs = base + k0 * panel + s * kStrip;
-          const float* init = k0 > 0 ? nullptr : (b ? b + col : zeros);
-          for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-            const int64_t r = std::min(kTileRows, rows - r0);
-            // The first row tile of each strip prefetches its share of the next block, a line a step.
-            const float* ahead = r0 == 0 ? base + (k0 + kBlockK) * panel + s * kn * kStrip : nullptr;
-            tile_rows(r, a + r0 * lda + k0, lda, bs, panel, kn, o + r0 * n + col, n, init, ahead);
-          }
-        }
-      }
-    }
-  });
+  const int64_t rows = x.size(0), k_size = x.size(1), lda = x.stride(0);
+  if (use_avx512()) {
+    multiply_panels(out.data_ptr<float>(), rows, x.data_ptr<float>(), lda, weight, n, k_size, panel,
+                    avx512_strip(panel), b, tile_f32_avx512);
+  } else {
+    multiply_panels(out.data_ptr<float>(), rows, x.data_ptr<float>(), lda, weight, n, k_size, panel, kStrip, b,
+                    tile_rows);
+  }
+}
+
+Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n, int64_t panel, const Tensor& bias) {
+  PAGEDSERVE_CHECK(cpu_has_avx512_bf16(), "the bfloat16 panel kernel needs AVX512_BF16");
+  PAGEDSERVE_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 &&
+                       x.stride(0) % 2 == 0,
+                   "x must be bfloat16 [rows, K], K even");
+  PAGEDSERVE_CHECK(panel > 0 && panel % kStrip == 0 && n % panel == 0, "panels of ", panel,
+                   " columns cannot tile ", n, " outputs");
+  PAGEDSERVE_CHECK(!bias.defined() || bias.numel() == n, "bias must have ", n, " values");
+  const int64_t rows = x.size(0);
+  Tensor sums = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  const Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : Tensor();
+  const auto* pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  multiply_panels(sums.data_ptr<float>(), rows, pairs, x.stride(0) / 2, weight, n, x.size(1) / 2, panel,
+                  avx512_strip(panel), b.defined() ? b.data_ptr<float>() : nullptr, tile_bf16_avx512);
+  // Each output rounded once, from its float32 sum (bias included), as oneDNN rounds.
+  return sums.to(at::kBFloat16);
 }
 
 const float* packed_data(const Tensor& weight) {
@@ -172,20 +224,27 @@ Tensor onednn_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) 
 Tensor packed_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t panel) {
   const int64_t k_size = weight.size(1);
   const int64_t rows = x.dim() == 0 ? 0 : x.numel() / std::max<int64_t>(k_size, 1);
-  if (panel == 0 || rows > kPanelMaxRows || rows == 0 || x.scalar_type() != at::kFloat) {
+  const at::ScalarType dtype = x.scalar_type();
+  const bool f32 = dtype == at::kFloat && rows <= kPanelMaxRows;
+  const bool bf16 = dtype == at::kBFloat16 && rows <= kPanelMaxRowsBF16;
+  if (panel == 0 || rows == 0 || !(f32 || bf16)) {
     return onednn_linear(x, weight, bias);
   }
-  PAGEDSERVE_CHECK(weight.is_mkldnn() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
-                   "weight must be a float32 [N, K] packed for oneDNN");
+  PAGEDSERVE_CHECK(weight.is_mkldnn() && weight.scalar_type() == dtype && weight.dim() == 2,
+                   "weight must be a [N, K] of the rows' dtype packed for oneDNN");
   PAGEDSERVE_CHECK(x.size(-1) == k_size, "x must end in ", k_size, " features, got ", x.size(-1));
   // Named for the profiler as the op is, also where the decode layers' loop calls it directly.
   RECORD_FUNCTION("pagedserve_cpu::packed_linear", std::vector<c10::IValue>({x}));
   const Tensor flat = x.reshape({rows, k_size});
-  Tensor out = at::empty({rows, weight.size(0)}, x.options());
-  panel_linear_into(out, flat.stride(1) == 1 ? flat : flat.contiguous(), packed_data(weight), weight.size(0),
-                    panel, bias);
+  const Tensor rows_in = flat.stride(1) == 1 ? flat : flat.contiguous();
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = weight.size(0);
+  if (bf16) {
+    const auto* pairs = reinterpret_cast<const uint32_t*>(packed_data(weight));
+    return panel_linear_bf16_rows(rows_in, pairs, weight.size(0), panel, bias).view(sizes);
+  }
+  Tensor out = at::empty({rows, weight.size(0)}, x.options());
+  panel_linear_into(out, rows_in, packed_data(weight), weight.size(0), panel, bias);
   return out.view(sizes);
 }
 
@@ -205,4 +264,5 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int panel) -> Tensor",
         TORCH_FN(pagedserve_cpu_panel::packed_linear_op));
   m.def("panel_linear_vectorized() -> bool", TORCH_FN(pagedserve_cpu_panel::panel_linear_vectorized));
+  m.def("panel_linear_bf16() -> bool", TORCH_FN(pagedserve_cpu_panel::panel_linear_bf16));
 }

@@ -3,6 +3,11 @@ panel kernel only where oneDNN's bytes are its panels, a row's result the same w
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -85,6 +90,75 @@ def test_matches_linear_in_bf16() -> None:
     assert out.dtype == torch.bfloat16
     # Both accumulate in fp32 and round once to bf16: at most one bf16 step apart.
     torch.testing.assert_close(out.float(), linear(x).float(), atol=0.05, rtol=2**-7)
+
+
+def bf16_panelled(linear: nn.Linear) -> PackedLinear:
+    if not kernels.panel_kernel_ready(torch.bfloat16):
+        pytest.skip("no bf16 panel kernel here: the CPU lacks AVX512_BF16")
+    packed = PackedLinear(linear.to(torch.bfloat16))
+    assert packed.panel, "oneDNN lays bf16 weights out other than as panels of pairs on this CPU"
+    return packed
+
+
+def test_a_bf16_weight_is_panelled_in_pairs_of_its_inputs() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 960, bias=False)
+    packed = bf16_panelled(linear)
+    width, weight = packed.panel, linear.weight.detach()
+    pairs = weight.view(960 // width, width, 288, 2).transpose(1, 2)
+    assert torch.equal(packed_bytes(packed.weight).view(960 // width, 288, width, 2), pairs)
+    assert panel_width(weight + 1, packed.weight) == 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_rows", [1, 2, 7, 33, 128, 129])
+def test_the_bf16_panel_kernel_rounds_float32_sums_once(num_rows: int, bias: bool) -> None:
+    """Each output is its float32 sum (bias included) rounded once to bf16, as oneDNN's is: the two differ
+    only where a different summation order crosses a rounding boundary, by one bf16 step."""
+    torch.manual_seed(num_rows)
+    packed = bf16_panelled(nn.Linear(1536, 1024, bias=bias))
+    x = torch.randn(num_rows, 1536, dtype=torch.bfloat16)
+    out = packed(x)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+    assert out.dtype == torch.bfloat16 and out.shape == (num_rows, 1024)
+    step = out.float().abs().clamp(min=2**-100) * 2**-7  # one bf16 step at each output
+    assert ((out.float() - onednn.float()).abs() <= step + 1e-6).all()
+    assert (out != onednn).float().mean() < 0.05  # a few ties apart, not a different product
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_bf16_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool) -> None:
+    torch.manual_seed(2)
+    packed = bf16_panelled(nn.Linear(1536, 576, bias=bias))
+    x = torch.randn(128, 1536, dtype=torch.bfloat16)
+    together = packed(x)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(60, 73), slice(0, 128, 2)):
+        assert torch.equal(packed(x[rows]), together[rows]), rows
+
+
+def test_the_avx512_tiles_give_the_avx2_tiles_bits(tmp_path: Path) -> None:
+    """Both add one product per step of k, in order: the same bits, whichever tiles the CPU runs."""
+    if not kernels.panel_kernel_ready() or not torch.cpu._is_avx512_supported():
+        pytest.skip("needs the panel kernel and an AVX-512 CPU")
+    script = tmp_path / "panel.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from torch import nn\n"
+        "import kernels\n"
+        "from gpu_worker.engine.packed_linear import PackedLinear\n"
+        "kernels.load(torch.device('cpu'), torch.float32)\n"
+        "torch.manual_seed(3)\n"
+        "packed = PackedLinear(nn.Linear(1536, 960))\n"
+        "assert packed.panel\n"
+        "torch.save(packed(torch.randn(37, 1536)), sys.argv[1])\n"
+    )
+    outs = []
+    for avx512 in ("1", "0"):
+        path = tmp_path / f"out{avx512}.pt"
+        env = {**os.environ, "PAGEDSERVE_PANEL_AVX512": avx512}
+        subprocess.run([sys.executable, str(script), str(path)], env=env, check=True, cwd=Path.cwd())
+        outs.append(torch.load(path))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_engine_packs_every_linear(tiny_model_path: str) -> None:

@@ -1,0 +1,163 @@
+// The panel kernel's register tiles in AVX-512: float32 panels, and bfloat16 panels multiplied by AVX512_BF16's
+// pair dot product. Compiled for every x86-64 build (the instructions are enabled for this file's tiles alone)
+// and chosen at run time where the CPU has them (panel_linear_cpu.cpp).
+//
+// A tile computes rows x (16 * S) outputs of one strip of a panel, one zmm register of 16 outputs per row and
+// step of S. In float32 a step of k is one fused multiply-add per output, k in order, as the AVX2 tile does, so
+// both give the same bits. In bfloat16 oneDNN lays a weight out as panels of [K / 2][P][2]: each 32-bit lane
+// holds one output's weights at k and k + 1, which is what VDPBF16PS multiplies by the row's pair (x[k],
+// x[k + 1]) broadcast to every lane, adding both products to the output's float32 sum.
+#include <cstdint>
+
+#include "panel_linear.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+namespace pagedserve_cpu_panel {
+
+bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f"); }
+
+bool cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"); }
+
+// Headers first: only the tiles below are compiled for AVX-512.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16")
+
+namespace {
+
+template <int R, int S>
+inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out,
+                     int64_t ldo, const float* init, const float* ahead) {
+  __m512 acc[R][S];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const float* from = init ? init : out + r * ldo;
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_loadu_ps(from + 16 * s);
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    const float* bk = b + k * ld;
+    __m512 w[S];
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) {
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + (k * S + s) * 16), _MM_HINT_T0);
+      w[s] = _mm512_loadu_ps(bk + 16 * s);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * lda + k]);
+#pragma GCC unroll 4
+      for (int s = 0; s < S; ++s) acc[r][s] = _mm512_fmadd_ps(x, w[s], acc[r][s]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) _mm512_storeu_ps(out + r * ldo + 16 * s, acc[r][s]);
+  }
+}
+
+// a and b in bfloat16 pairs (one uint32 each); kn, lda and ld count pairs.
+template <int R, int S>
+inline void tile_bf16(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ld, int64_t kn, float* out,
+                      int64_t ldo, const float* init, const uint32_t* ahead) {
+  __m512 acc[R][S];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const float* from = init ? init : out + r * ldo;
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_loadu_ps(from + 16 * s);
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    const uint32_t* bk = b + k * ld;
+    __m512bh w[S];
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) {
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + (k * S + s) * 16), _MM_HINT_T0);
+      w[s] = (__m512bh)_mm512_loadu_si512(bk + 16 * s);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + k]));
+#pragma GCC unroll 4
+      for (int s = 0; s < S; ++s) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], x, w[s]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) _mm512_storeu_ps(out + r * ldo + 16 * s, acc[r][s]);
+  }
+}
+
+template <typename T, int S, typename Tile>
+inline void by_rows(int64_t rows, const T* a, int64_t lda, const T* b, int64_t ld, int64_t kn, float* out,
+                    int64_t ldo, const float* init, const T* ahead) {
+  switch (rows) {
+    case 1: return Tile::template run<1, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 2: return Tile::template run<2, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 3: return Tile::template run<3, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 4: return Tile::template run<4, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 5: return Tile::template run<5, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    default: return Tile::template run<6, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+  }
+}
+
+struct F32 {
+  template <int R, int S>
+  static void run(const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out, int64_t ldo,
+                  const float* init, const float* ahead) {
+    tile_f32<R, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+  }
+};
+
+struct BF16 {
+  template <int R, int S>
+  static void run(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ld, int64_t kn, float* out,
+                  int64_t ldo, const float* init, const uint32_t* ahead) {
+    tile_bf16<R, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+  }
+};
+
+template <typename T, typename Tile>
+void dispatch(int64_t rows, int64_t width, const T* a, int64_t lda, const T* b, int64_t ld, int64_t kn,
+              float* out, int64_t ldo, const float* init, const T* ahead) {
+  switch (width / 16) {
+    case 1: return by_rows<T, 1, Tile>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 2: return by_rows<T, 2, Tile>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 3: return by_rows<T, 3, Tile>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
+    default: return by_rows<T, 4, Tile>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
+  }
+}
+
+}  // namespace
+
+void tile_f32_avx512(int64_t rows, int64_t width, const float* a, int64_t lda, const float* b, int64_t ld,
+                     int64_t kn, float* out, int64_t ldo, const float* init, const float* ahead) {
+  dispatch<float, F32>(rows, width, a, lda, b, ld, kn, out, ldo, init, ahead);
+}
+
+void tile_bf16_avx512(int64_t rows, int64_t width, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ld,
+                      int64_t kn, float* out, int64_t ldo, const float* init, const uint32_t* ahead) {
+  dispatch<uint32_t, BF16>(rows, width, a, lda, b, ld, kn, out, ldo, init, ahead);
+}
+
+#pragma GCC pop_options
+
+}  // namespace pagedserve_cpu_panel
+
+#else
+
+namespace pagedserve_cpu_panel {
+
+bool cpu_has_avx512() { return false; }
+bool cpu_has_avx512_bf16() { return false; }
+void tile_f32_avx512(int64_t, int64_t, const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
+                     const float*, const float*) {}
+void tile_bf16_avx512(int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*,
+                      int64_t, const float*, const uint32_t*) {}
+
+}  // namespace pagedserve_cpu_panel
+
+#endif
