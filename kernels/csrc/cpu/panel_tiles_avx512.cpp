@@ -1,6 +1,7 @@
 // The panel kernel's register tiles in AVX-512: float32 panels, and bfloat16 panels multiplied by AVX512_BF16's
 // pair dot product. Compiled for every x86-64 build (the instructions are enabled for this file's tiles alone)
-// and chosen at run time where the CPU has them (panel_linear_cpu.cpp).
+// and chosen at run time where the CPU has them (panel_linear_cpu.cpp). GCC only (its target pragma); other
+// compilers build the AVX2 tiles alone.
 //
 // A tile computes rows x (16 * S) outputs of one strip of a panel, one zmm register of 16 outputs per row and
 // step of S. In float32 a step of k is one fused multiply-add per output, k in order, as the AVX2 tile does, so
@@ -11,7 +12,7 @@
 
 #include "panel_linear.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 
 namespace pagedserve_cpu_panel {
