@@ -3,14 +3,14 @@
     .venv/bin/python benchmarks/panel_linear_bench.py                  # rows 1 to 256, ~1 min
     .venv/bin/python benchmarks/panel_linear_bench.py --rows 1 8 32
     .venv/bin/python benchmarks/panel_linear_bench.py --dtype bfloat16  # on a CPU with AVX512_BF16
-    PAGEDSERVE_PANEL_AVX512=0 .venv/bin/python benchmarks/panel_linear_bench.py  # AVX2 tiles, AVX-512 CPU
+    PAGEDSERVE_AVX512=0 .venv/bin/python benchmarks/panel_linear_bench.py  # AVX2 tiles, AVX-512 CPU
 
 Every layer's qkv, o, gate_up and down weights at SmolLM2's shapes (30 layers, 424 MB in fp32, 212 MB in
 bf16: more than any cache), each packed once for oneDNN (PackedLinear). One timed call multiplies the same
 rows by all of them in turn, as a decode step does, so each weight comes from memory; best of --repeats.
 oneDNN is torch.ops.mkldnn._linear_pointwise; the panel kernel (kernels/csrc/cpu/panel_linear_cpu.cpp) reads
 the same bytes, which is what PackedLinear runs for up to 128 rows. GB/s is the weights' bytes over the time.
-The panel kernel runs AVX-512 tiles where the CPU has them (PAGEDSERVE_PANEL_AVX512=0: its AVX2 tiles), and
+The panel kernel runs AVX-512 tiles where the CPU has them (PAGEDSERVE_AVX512=0: its AVX2 tiles), and
 takes bf16 weights where the CPU has AVX512_BF16.
 Prints the table; writes JSON.
 """

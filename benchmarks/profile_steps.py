@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/profile_steps.py --scale 0.5              # W2, the profile in the README
     .venv/bin/python benchmarks/profile_steps.py --workload W1 --scale 0.5
+    .venv/bin/python benchmarks/profile_steps.py --dtype bfloat16         # W2 in bf16 (weights and KV cache)
 
 Runs the workload through LLMEngine (after a warm-up on other token contents), timing every step with the
 number of tokens it ran, and fits step seconds = fixed + per_token x tokens (least squares). `fixed` is what
@@ -109,9 +110,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workload", default="W2", choices=["W1", "W2", "W3"])
     parser.add_argument("--static-batch-size", type=int, default=64)
     parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler run")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
 
-    engine = LLMEngine(args.model, device="cpu")
+    engine = LLMEngine(args.model, device="cpu", dtype=args.dtype)
     make = lambda variant: make_workload(args.workload, engine.vocab_size, args.scale, args.seed, variant)  # noqa: E731
     run_steps(engine, make(99), "warm-up")
     workload = make(0)
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step_log": steps,
     }
     print(
-        f"{args.workload} at scale {args.scale}: {len(steps)} steps, {useful} tokens, {paged_s:.2f} s; "
+        f"{args.workload} at scale {args.scale}, {args.dtype}: {len(steps)} steps, {useful} tokens, {paged_s:.2f} s; "
         f"step = {1000 * fixed:.1f} ms + {1000 * per_token:.2f} ms/token "
         f"(fixed part {100 * results['fixed_share']:.0f}% of the time)"
     )

@@ -21,12 +21,17 @@ HEADS = [(4, 4), (9, 3), (8, 2)]  # (num_heads, num_kv_heads): GQA ratios 1, 3, 
 TWIN_DECODE = reference._decode_batch
 
 
-@pytest.fixture(autouse=True, params=["torch", "cpu-kernel"])
+@pytest.fixture(autouse=True, params=["torch", "cpu-kernel", "cpu-kernel-avx2"])
 def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs on the pure-torch ops and again with decode attention in the CPU C++ kernel."""
+    """Every test runs on the pure-torch ops and again with decode attention in the CPU C++ kernel: in AVX-512
+    where the CPU has it, and in its AVX2 loops (PAGEDSERVE_AVX512=0) on such a CPU too."""
     if request.param == "torch":
         monkeypatch.setattr(kernels, "_cpu_ops", lambda t: None)
     else:
+        if request.param == "cpu-kernel-avx2":
+            if not torch.cpu._is_avx512_supported():
+                pytest.skip("the CPU has no AVX-512: cpu-kernel runs the AVX2 loops already")
+            monkeypatch.setenv("PAGEDSERVE_AVX512", "0")
         if shutil.which("c++") is None:
             pytest.skip("no C++ compiler for the CPU kernel")
         assert load_cpu_extension() is not None, "the CPU kernel failed to build (see the log)"
@@ -83,7 +88,7 @@ def run_and_check(batch: Batch, scale: float, atol: float, rtol: float) -> None:
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("head_size", [64, 32])
+@pytest.mark.parametrize("head_size", [64, 32, 80, 128])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
 def test_mixed_batch_matches_dense(
     num_heads: int, num_kv_heads: int, head_size: int, block_size: int

@@ -13,9 +13,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "cpu_features.h"
 #include "cpu_math.h"
+#include "paged_attention_avx512.h"
 
 namespace {
 
@@ -42,6 +45,21 @@ inline float dot(const float* a, const T* b, int64_t n) {
 template <typename T>
 inline void axpy(float* y, float alpha, const T* x, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] += alpha * to_float(x[d]);
+}
+
+// Each of `heads` rows of scores (stride apart, padded with -inf to a multiple of kExpWidth) becomes its
+// softmax's numerators e^(score - max); sums gets their totals over the first ctx.
+inline void exponentiate(float* scores, int64_t heads, int64_t stride, int64_t ctx, float* sums) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = scores + h * stride;
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int64_t pos = 0; pos < ctx; ++pos) max_score = std::max(max_score, sc[pos]);
+    for (int64_t pos = 0; pos < ctx; ++pos) sc[pos] -= max_score;
+    exp_in_place(sc, stride);
+    float total = 0.f;
+    for (int64_t pos = 0; pos < ctx; ++pos) total += sc[pos];
+    sums[h] = total;
+  }
 }
 
 void check_index(const Tensor& t, const char* name, int64_t dim) {
@@ -133,10 +151,46 @@ void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
   const int64_t c_block = k_cache.stride(0), c_token = k_cache.stride(1), c_head = k_cache.stride(2);
   const auto fscale = static_cast<float>(scale);
 
+  if (pagedserve_cpu_features::avx512_enabled() && head_size % 16 == 0 && head_size <= 128) {
+    // One work item per sequence, all its KV heads (each block's rows read whole), or per sequence and KV head
+    // when there are too few sequences to keep every thread busy (a single long context).
+    const int64_t per_item = static_cast<int64_t>(decodes.size()) >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+    const int64_t items = static_cast<int64_t>(decodes.size()) * (num_kv_heads / per_item);
+    const int64_t heads = per_item * group;
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, sums(heads), acc(heads * head_size), q(heads * head_size);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t s = decodes[item * per_item / num_kv_heads];
+        const int64_t g0 = item * per_item % num_kv_heads;  // the item's first KV head
+        const int64_t ctx = lens[s], token = starts[s];
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* q_head_base = q_base + token * q_token + (g0 * group + h) * q_head;
+          for (int64_t d = 0; d < head_size; ++d) q[h * head_size + d] = to_float(q_head_base[d]);
+        }
+        const int64_t stride = (ctx + kExpWidth - 1) / kExpWidth * kExpWidth;
+        scores.assign(heads * stride, -std::numeric_limits<float>::infinity());
+        const pagedserve_cpu_attention::Rows rows{k_base + g0 * c_head, v_base + g0 * c_head,
+                                                  std::is_same_v<T, c10::BFloat16>, table + s * max_blocks, ctx,
+                                                  block_size, c_block, c_token, c_head, per_item, head_size, group,
+                                                  fscale};
+        pagedserve_cpu_attention::scores_avx512(rows, q.data(), scores.data(), stride);
+        pagedserve_cpu_attention::exponentiate_avx512(scores.data(), heads, stride, ctx, sums.data());
+        std::fill(acc.begin(), acc.end(), 0.f);
+        pagedserve_cpu_attention::weighted_sum_avx512(rows, scores.data(), stride, acc.data());
+        for (int64_t h = 0; h < heads; ++h) {
+          T* o = out_base + token * o_token + (g0 * group + h) * o_head;
+          const float inv = 1.f / sums[h];
+          for (int64_t d = 0; d < head_size; ++d) o[d] = from_float<T>(acc[h * head_size + d] * inv);
+        }
+      }
+    });
+    return;
+  }
+
   // One work item per sequence: its K rows, then its V rows, are read in order, all KV heads of a token at once
   // (one contiguous row of the block), so each cache line is fetched once and the prefetcher sees a stream.
   at::parallel_for(0, static_cast<int64_t>(decodes.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, max_score(num_heads), sum(num_heads), acc(num_heads * head_size);
+    std::vector<float> scores, sum(num_heads), acc(num_heads * head_size);
     std::vector<float> q(num_heads * head_size);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = decodes[item];
@@ -149,26 +203,17 @@ void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
       // Each head's scores padded to the exponential's width (the padding's weights come out 0).
       const int64_t stride = (ctx + kExpWidth - 1) / kExpWidth * kExpWidth;
       scores.assign(num_heads * stride, -std::numeric_limits<float>::infinity());
-      std::fill(max_score.begin(), max_score.end(), -std::numeric_limits<float>::infinity());
       // Pass 1: scores of every query head against every K row.
       for (int64_t pos = 0; pos < ctx; ++pos) {
         const int64_t block = row[pos / block_size];  // widened before the stride multiply
         const T* k_row = k_base + block * c_block + (pos % block_size) * c_token;
         for (int64_t h = 0; h < num_heads; ++h) {
-          const float score = dot(q.data() + h * head_size, k_row + (h / group) * c_head, head_size) * fscale;
-          scores[h * stride + pos] = score;
-          max_score[h] = std::max(max_score[h], score);
+          scores[h * stride + pos] =
+              dot(q.data() + h * head_size, k_row + (h / group) * c_head, head_size) * fscale;
         }
       }
       // Pass 2: softmax weights.
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* sc = scores.data() + h * stride;
-        for (int64_t pos = 0; pos < ctx; ++pos) sc[pos] -= max_score[h];
-        exp_in_place(sc, stride);
-        float total = 0.f;
-        for (int64_t pos = 0; pos < ctx; ++pos) total += sc[pos];
-        sum[h] = total;
-      }
+      exponentiate(scores.data(), num_heads, stride, ctx, sum.data());
       // Pass 3: the weighted sum of the V rows.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t pos = 0; pos < ctx; ++pos) {

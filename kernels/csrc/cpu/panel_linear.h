@@ -16,10 +16,6 @@ bool panel_linear_vectorized();
 // Whether this CPU multiplies bfloat16 panels (AVX512_BF16); elsewhere bfloat16 weights stay with oneDNN.
 bool panel_linear_bf16();
 
-// What the CPU has, asked at run time (panel_tiles_avx512.cpp).
-bool cpu_has_avx512();
-bool cpu_has_avx512_bf16();
-
 // AVX-512 register tiles: rows (at most 6) x width (16 to 64) outputs over kn steps of k (panel_tiles_avx512.cpp).
 // out [rows][ldo] gets init (the bias, or zeros) or its own values plus the sums over the steps; ahead: a line a
 // step to prefetch, or null. The bfloat16 tile's a and b are pairs of bfloat16, and kn, lda and ld count pairs.

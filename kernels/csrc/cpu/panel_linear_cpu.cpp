@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_features.h"
 #include "panel_linear.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -33,6 +34,9 @@
 namespace pagedserve_cpu_panel {
 
 namespace {
+
+using pagedserve_cpu_features::avx512_bf16_supported;
+using pagedserve_cpu_features::avx512_enabled;
 
 #define PAGEDSERVE_CHECK(cond, ...) TORCH_CHECK(cond, "pagedserve: ", __VA_ARGS__)
 
@@ -104,15 +108,6 @@ void tile_rows(int64_t rows, int64_t, const float* a, int64_t lda, const float* 
   }
 }
 
-// AVX-512 where the CPU has it, unless PAGEDSERVE_PANEL_AVX512=0 (to compare the two on one machine).
-bool use_avx512() {
-  static const bool use = [] {
-    const char* flag = std::getenv("PAGEDSERVE_PANEL_AVX512");
-    return cpu_has_avx512() && !(flag && std::string(flag) == "0");
-  }();
-  return use;
-}
-
 // The widest strip an AVX-512 tile takes (up to four registers of 16) that divides the panel.
 int64_t avx512_strip(int64_t panel) {
   for (int64_t width : {64, 48, 32}) {
@@ -156,11 +151,11 @@ bool panel_linear_vectorized() {
 #if defined(__AVX2__) && defined(__FMA__)
   return true;
 #else
-  return cpu_has_avx512();
+  return avx512_enabled();
 #endif
 }
 
-bool panel_linear_bf16() { return cpu_has_avx512_bf16(); }
+bool panel_linear_bf16() { return avx512_bf16_supported(); }
 
 void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_t n, int64_t panel,
                        const Tensor& bias) {
@@ -175,7 +170,7 @@ void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_
                    "bias must be a contiguous float32 [N]");
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int64_t rows = x.size(0), k_size = x.size(1), lda = x.stride(0);
-  if (use_avx512()) {
+  if (avx512_enabled()) {
     multiply_panels(out.data_ptr<float>(), rows, x.data_ptr<float>(), lda, weight, n, k_size, panel,
                     avx512_strip(panel), b, tile_f32_avx512);
   } else {
@@ -185,7 +180,7 @@ void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_
 }
 
 Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n, int64_t panel, const Tensor& bias) {
-  PAGEDSERVE_CHECK(cpu_has_avx512_bf16(), "the bfloat16 panel kernel needs AVX512_BF16");
+  PAGEDSERVE_CHECK(avx512_bf16_supported(), "the bfloat16 panel kernel needs AVX512_BF16");
   PAGEDSERVE_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 &&
                        x.stride(0) % 2 == 0,
                    "x must be bfloat16 [rows, K], K even");

@@ -17,10 +17,6 @@
 
 namespace pagedserve_cpu_panel {
 
-bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f"); }
-
-bool cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"); }
-
 // Headers first: only the tiles below are compiled for AVX-512.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bf16")
@@ -152,8 +148,6 @@ void tile_bf16_avx512(int64_t rows, int64_t width, const uint32_t* a, int64_t ld
 
 namespace pagedserve_cpu_panel {
 
-bool cpu_has_avx512() { return false; }
-bool cpu_has_avx512_bf16() { return false; }
 void tile_f32_avx512(int64_t, int64_t, const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
                      const float*, const float*) {}
 void tile_bf16_avx512(int64_t, int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*,

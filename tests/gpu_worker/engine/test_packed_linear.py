@@ -3,11 +3,6 @@ panel kernel only where oneDNN's bytes are its panels, a row's result the same w
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -136,29 +131,17 @@ def test_a_bf16_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool) ->
         assert torch.equal(packed(x[rows]), together[rows]), rows
 
 
-def test_the_avx512_tiles_give_the_avx2_tiles_bits(tmp_path: Path) -> None:
+def test_the_avx512_tiles_give_the_avx2_tiles_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both add one product per step of k, in order: the same bits, whichever tiles the CPU runs."""
     if not kernels.panel_kernel_ready() or not torch.cpu._is_avx512_supported():
         pytest.skip("needs the panel kernel and an AVX-512 CPU")
-    script = tmp_path / "panel.py"
-    script.write_text(
-        "import sys, torch\n"
-        "from torch import nn\n"
-        "import kernels\n"
-        "from gpu_worker.engine.packed_linear import PackedLinear\n"
-        "kernels.load(torch.device('cpu'), torch.float32)\n"
-        "torch.manual_seed(3)\n"
-        "packed = PackedLinear(nn.Linear(1536, 960))\n"
-        "assert packed.panel\n"
-        "torch.save(packed(torch.randn(37, 1536)), sys.argv[1])\n"
-    )
-    outs = []
-    for avx512 in ("1", "0"):
-        path = tmp_path / f"out{avx512}.pt"
-        env = {**os.environ, "PAGEDSERVE_PANEL_AVX512": avx512}
-        subprocess.run([sys.executable, str(script), str(path)], env=env, check=True, cwd=Path.cwd())
-        outs.append(torch.load(path))
-    assert torch.equal(outs[0], outs[1])
+    torch.manual_seed(3)
+    packed = PackedLinear(nn.Linear(1536, 960))
+    assert packed.panel
+    x = torch.randn(37, 1536)
+    avx512 = packed(x)
+    monkeypatch.setenv("PAGEDSERVE_AVX512", "0")
+    assert torch.equal(packed(x), avx512)
 
 
 def test_engine_packs_every_linear(tiny_model_path: str) -> None:

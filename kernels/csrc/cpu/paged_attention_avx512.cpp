@@ -1,0 +1,245 @@
+// Paged decode attention in AVX-512, for one sequence and some of its KV heads at a time: the scores of the
+// query heads against the K rows, their softmax's numerators, and the weighted sum of the V rows. Compiled for
+// every x86-64 build with GCC (the instructions are enabled for this file's loops alone) and chosen at run time
+// where the CPU has them (paged_attention_cpu.cpp).
+//
+// Both passes over the cache go a block at a time, and within a block a KV head at a time: its rows come from
+// memory for the first of its query heads and from L1 for the others, and up to four query heads share each
+// row's loads. A score is the dot product of the query and the K row, 16 lanes of partial sums over the head's
+// 16-float chunks, then added across the lanes; the weighted sum adds each V row, times each head's weight,
+// into float32 accumulators. bfloat16 rows are widened to float as they load.
+#include <cstdint>
+
+#include "paged_attention_avx512.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+
+namespace pagedserve_cpu_attention {
+
+// Headers first: only the loops below are compiled for AVX-512.
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+
+namespace {
+
+inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// HG query heads at a time over a block's rows: each K row is loaded once for all of them.
+template <typename T, int NC, int HG>
+void score_rows(const float* q, const T* block, int64_t rows, int64_t c_token, float scale, float* out,
+                int64_t stride) {
+  __m512 qh[HG][NC];
+#pragma GCC unroll 4
+  for (int h = 0; h < HG; ++h) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) qh[h][c] = load(q + (h * NC + c) * 16);
+  }
+  for (int64_t p = 0; p < rows; ++p) {
+    const T* k_row = block + p * c_token;
+    __m512 k[NC];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) k[c] = load(k_row + c * 16);
+#pragma GCC unroll 4
+    for (int h = 0; h < HG; ++h) {
+      __m512 sum = _mm512_mul_ps(qh[h][0], k[0]);
+#pragma GCC unroll 8
+      for (int c = 1; c < NC; ++c) sum = _mm512_fmadd_ps(qh[h][c], k[c], sum);
+      out[h * stride + p] = _mm512_reduce_add_ps(sum) * scale;
+    }
+  }
+}
+
+// Query heads handled together: their registers (HG x NC for the queries or the accumulators) at most 12.
+template <int NC>
+constexpr int heads_together() {
+  return NC <= 3 ? 4 : NC <= 4 ? 3 : NC <= 6 ? 2 : 1;
+}
+
+// Every KV head of the item, a block at a time: kHeads query heads of one KV head at a time read the block's rows
+// of that head (from memory for the first of them, from L1 for the others).
+template <typename T, int NC, typename Pass>
+void over_blocks(const Rows& r, const T* base, Pass pass) {
+  constexpr int kHeads = heads_together<NC>();
+  for (int64_t first = 0; first < r.ctx; first += r.block_size) {
+    const T* block = base + static_cast<int64_t>(r.row[first / r.block_size]) * r.c_block;  // widened first
+    const int64_t rows = first + r.block_size <= r.ctx ? r.block_size : r.ctx - first;
+    for (int64_t g = 0; g < r.num_kv_heads; ++g) {
+      for (int64_t h = 0; h < r.group;) {
+        const bool together = h + kHeads <= r.group;
+        pass(together, g * r.group + h, first, block + g * r.c_head, rows);
+        h += together ? kHeads : 1;
+      }
+    }
+  }
+}
+
+template <typename T, int NC>
+void scores_of(const Rows& r, const float* q, float* scores, int64_t stride) {
+  constexpr int kHeads = heads_together<NC>();
+  over_blocks<T, NC>(r, static_cast<const T*>(r.k),
+                     [&](bool together, int64_t head, int64_t first, const T* block, int64_t rows) {
+                       const float* qh = q + head * NC * 16;
+                       float* out = scores + head * stride + first;
+                       if (together) {
+                         score_rows<T, NC, kHeads>(qh, block, rows, r.c_token, r.scale, out, stride);
+                       } else {
+                         score_rows<T, NC, 1>(qh, block, rows, r.c_token, r.scale, out, stride);
+                       }
+                     });
+}
+
+// HG query heads at a time: their accumulators stay in registers over a block's rows.
+template <typename T, int NC, int HG>
+void add_rows(const float* weights, int64_t stride, const T* block, int64_t rows, int64_t c_token, float* acc) {
+  __m512 a[HG][NC];
+#pragma GCC unroll 4
+  for (int h = 0; h < HG; ++h) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) a[h][c] = load(acc + (h * NC + c) * 16);
+  }
+  for (int64_t p = 0; p < rows; ++p) {
+    const T* v_row = block + p * c_token;
+    __m512 v[NC];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) v[c] = load(v_row + c * 16);
+#pragma GCC unroll 4
+    for (int h = 0; h < HG; ++h) {
+      const __m512 w = _mm512_set1_ps(weights[h * stride + p]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) a[h][c] = _mm512_fmadd_ps(w, v[c], a[h][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HG; ++h) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (h * NC + c) * 16, a[h][c]);
+  }
+}
+
+template <typename T, int NC>
+void weighted_sum(const Rows& r, const float* weights, int64_t stride, float* acc) {
+  constexpr int kHeads = heads_together<NC>();
+  over_blocks<T, NC>(r, static_cast<const T*>(r.v),
+                     [&](bool together, int64_t head, int64_t first, const T* block, int64_t rows) {
+                       const float* w = weights + head * stride + first;
+                       float* a = acc + head * NC * 16;
+                       if (together) {
+                         add_rows<T, NC, kHeads>(w, stride, block, rows, r.c_token, a);
+                       } else {
+                         add_rows<T, NC, 1>(w, stride, block, rows, r.c_token, a);
+                       }
+                     });
+}
+
+// e^x of 16 floats: exp_in_place's steps (cpu_math.h) on 16 lanes, so each lane gives its bits.
+inline __m512 exp16(__m512 given) {
+  const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
+  const __m512 v = _mm512_min_ps(_mm512_max_ps(given, lo), hi);
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f),
+                                    _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v));
+  const float taylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  __m512 p = _mm512_set1_ps(taylor[0]);
+#pragma GCC unroll 8
+  for (int j = 1; j < 8; ++j) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[j]));
+  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(given, hi, _CMP_GT_OQ), _mm512_set1_ps(__builtin_inff()));
+  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(given, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(given, given, _CMP_UNORD_Q), given);
+}
+
+template <typename T>
+void scores_by_width(const Rows& r, const float* q, float* scores, int64_t stride) {
+  switch (r.head_size / 16) {
+    case 1: return scores_of<T, 1>(r, q, scores, stride);
+    case 2: return scores_of<T, 2>(r, q, scores, stride);
+    case 3: return scores_of<T, 3>(r, q, scores, stride);
+    case 4: return scores_of<T, 4>(r, q, scores, stride);
+    case 5: return scores_of<T, 5>(r, q, scores, stride);
+    case 6: return scores_of<T, 6>(r, q, scores, stride);
+    case 7: return scores_of<T, 7>(r, q, scores, stride);
+    default: return scores_of<T, 8>(r, q, scores, stride);
+  }
+}
+
+template <typename T>
+void sum_by_width(const Rows& r, const float* weights, int64_t stride, float* acc) {
+  switch (r.head_size / 16) {
+    case 1: return weighted_sum<T, 1>(r, weights, stride, acc);
+    case 2: return weighted_sum<T, 2>(r, weights, stride, acc);
+    case 3: return weighted_sum<T, 3>(r, weights, stride, acc);
+    case 4: return weighted_sum<T, 4>(r, weights, stride, acc);
+    case 5: return weighted_sum<T, 5>(r, weights, stride, acc);
+    case 6: return weighted_sum<T, 6>(r, weights, stride, acc);
+    case 7: return weighted_sum<T, 7>(r, weights, stride, acc);
+    default: return weighted_sum<T, 8>(r, weights, stride, acc);
+  }
+}
+
+}  // namespace
+
+void scores_avx512(const Rows& rows, const float* q, float* scores, int64_t stride) {
+  if (rows.bf16) {
+    scores_by_width<uint16_t>(rows, q, scores, stride);
+  } else {
+    scores_by_width<float>(rows, q, scores, stride);
+  }
+}
+
+void weighted_sum_avx512(const Rows& rows, const float* weights, int64_t stride, float* acc) {
+  if (rows.bf16) {
+    sum_by_width<uint16_t>(rows, weights, stride, acc);
+  } else {
+    sum_by_width<float>(rows, weights, stride, acc);
+  }
+}
+
+void exponentiate_avx512(float* scores, int64_t heads, int64_t stride, int64_t ctx, float* sums) {
+  const int64_t full = ctx / 16 * 16;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = scores + h * stride;
+    __m512 top = _mm512_set1_ps(-__builtin_inff());
+    for (int64_t pos = 0; pos < full; pos += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(sc + pos));
+    float max_score = _mm512_reduce_max_ps(top);
+    for (int64_t pos = full; pos < ctx; ++pos) max_score = sc[pos] > max_score ? sc[pos] : max_score;
+    const __m512 m = _mm512_set1_ps(max_score);
+    __m512 total = _mm512_setzero_ps();
+    int64_t pos = 0;
+    for (; pos < full; pos += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + pos), m));
+      _mm512_storeu_ps(sc + pos, e);
+      total = _mm512_add_ps(total, e);
+    }
+    if (pos < ctx) {  // the last few, in a masked load and store
+      const __mmask16 live = static_cast<__mmask16>((1u << (ctx - pos)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + pos), m));
+      _mm512_mask_storeu_ps(sc + pos, live, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
+    }
+    sums[h] = _mm512_reduce_add_ps(total);
+  }
+}
+
+#pragma GCC pop_options
+
+}  // namespace pagedserve_cpu_attention
+
+#else
+
+namespace pagedserve_cpu_attention {
+
+void scores_avx512(const Rows&, const float*, float*, int64_t) {}
+void weighted_sum_avx512(const Rows&, const float*, int64_t, float*) {}
+void exponentiate_avx512(float*, int64_t, int64_t, int64_t, float*) {}
+
+}  // namespace pagedserve_cpu_attention
+
+#endif
