@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step_log": steps,
     }
     print(
-        f"{args.workload} at scale {args.scale}, {args.dtype}: {len(steps)} steps, {useful} tokens, {paged_s:.2f} s; "
+        f"{args.workload} at scale {args.scale}, {args.dtype}: {len(steps)} steps, {useful} tokens, "
+        f"{paged_s:.2f} s; "
         f"step = {1000 * fixed:.1f} ms + {1000 * per_token:.2f} ms/token "
         f"(fixed part {100 * results['fixed_share']:.0f}% of the time)"
     )
