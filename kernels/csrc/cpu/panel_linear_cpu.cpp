@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "cpu_math.h"
 #include "panel_linear.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -117,10 +118,11 @@ int64_t avx512_strip(int64_t panel) {
 }
 
 // out [rows, n] (float32, row stride n) = a [rows, k_size] times the weight as n / panel panels [k_size][panel] of
-// T (a float, or a pair of bfloat16), plus bias. tile(rows, strip, ...) computes rows x strip outputs.
-template <typename T, typename Tile>
+// T (a float, or a pair of bfloat16), plus bias. tile(rows, strip, ...) computes rows x strip outputs; finish(col)
+// is called once the panel from column col on is done (its outputs still in cache).
+template <typename T, typename Tile, typename Finish>
 void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T* weight, int64_t n, int64_t k_size,
-                     int64_t panel, int64_t strip, const float* bias, Tile tile) {
+                     int64_t panel, int64_t strip, const float* bias, Tile tile, Finish finish) {
   static const float zeros[64] = {};
   // A panel is one unit of work: each block of it, [kBlockK][panel], is read from memory in one contiguous run
   // by the first strip's first tile, and found in L1 by the others.
@@ -141,9 +143,12 @@ void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T*
           }
         }
       }
+      finish(unit * panel);
     }
   });
 }
+
+void nothing_left(int64_t) {}
 
 }  // namespace
 
@@ -172,10 +177,10 @@ void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_
   const int64_t rows = x.size(0), k_size = x.size(1), lda = x.stride(0);
   if (avx512_enabled()) {
     multiply_panels(out.data_ptr<float>(), rows, x.data_ptr<float>(), lda, weight, n, k_size, panel,
-                    avx512_strip(panel), b, tile_f32_avx512);
+                    avx512_strip(panel), b, tile_f32_avx512, nothing_left);
   } else {
     multiply_panels(out.data_ptr<float>(), rows, x.data_ptr<float>(), lda, weight, n, k_size, panel, kStrip, b,
-                    tile_rows);
+                    tile_rows, nothing_left);
   }
 }
 
@@ -189,12 +194,21 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
   PAGEDSERVE_CHECK(!bias.defined() || bias.numel() == n, "bias must have ", n, " values");
   const int64_t rows = x.size(0);
   Tensor sums = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  Tensor out = at::empty({rows, n}, x.options());
   const Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : Tensor();
   const auto* pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const float* from = sums.data_ptr<float>();
+  auto* to = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  // Each output rounded once, from its float32 sum (bias included), as oneDNN rounds; a panel as soon as it is
+  // done, while its sums are in cache.
+  const auto round_panel = [&](int64_t col) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = col; j < col + panel; ++j) to[r * n + j] = pagedserve_cpu_math::bf16_bits(from[r * n + j]);
+    }
+  };
   multiply_panels(sums.data_ptr<float>(), rows, pairs, x.stride(0) / 2, weight, n, x.size(1) / 2, panel,
-                  avx512_strip(panel), b.defined() ? b.data_ptr<float>() : nullptr, tile_bf16_avx512);
-  // Each output rounded once, from its float32 sum (bias included), as oneDNN rounds.
-  return sums.to(at::kBFloat16);
+                  avx512_strip(panel), b.defined() ? b.data_ptr<float>() : nullptr, tile_bf16_avx512, round_panel);
+  return out;
 }
 
 const float* packed_data(const Tensor& weight) {
