@@ -4,7 +4,9 @@
 // on a CPU costs more than the attention itself. Here each (sequence, KV head) pair reads its K and V rows once,
 // straight from the pool through the block table, for all query heads that share that KV head. float32 and
 // bfloat16 (read as float, accumulated in float); the Python side keeps float16, and head sizes that are not a
-// multiple of 8, on the twin.
+// multiple of 8, on the twin. Where the CPU has AVX-512 and the head size is a multiple of 16 up to 128, the
+// loops of paged_attention_avx512.cpp run instead (PAGEDSERVE_AVX512=0 keeps these), with each thread's share
+// of the sequences balanced by their contexts.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -13,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -60,6 +63,23 @@ inline void exponentiate(float* scores, int64_t heads, int64_t stride, int64_t c
     for (int64_t pos = 0; pos < ctx; ++pos) total += sc[pos];
     sums[h] = total;
   }
+}
+
+// Items 0..items-1 dealt into `parts` shares of about equal total work (the longest first, each to the share
+// with the least so far).
+template <typename Work>
+std::vector<std::vector<int64_t>> balance(int64_t items, int64_t parts, Work work) {
+  std::vector<int64_t> order(items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work(a) > work(b); });
+  std::vector<std::vector<int64_t>> shares(std::max<int64_t>(1, std::min(parts, items)));
+  std::vector<int64_t> load(shares.size(), 0);
+  for (const int64_t item : order) {
+    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+    shares[least].push_back(item);
+    load[least] += work(item);
+  }
+  return shares;
 }
 
 void check_index(const Tensor& t, const char* name, int64_t dim) {
@@ -119,6 +139,63 @@ void paged_attention_decode(Tensor& out,                    // [num_tokens, num_
   }
 }
 
+// What the decode loops read and write: the step's tensors as pointers and strides (elements).
+template <typename T>
+struct Pool {
+  const T* q;
+  T* out;
+  const T* k;
+  const T* v;
+  const int32_t* table;
+  const int32_t* lens;
+  const int32_t* starts;
+  int64_t max_blocks, block_size, num_kv_heads, head_size, group;
+  int64_t q_token, q_head, o_token, o_head, c_block, c_token, c_head;
+  float scale;
+};
+
+// The AVX-512 loops (paged_attention_avx512.cpp). One work item per sequence, all its KV heads (each block's
+// rows read whole), or per sequence and KV head when there are too few sequences to keep every thread busy (a
+// single long context); each thread takes a share of the items of about equal work (their contexts).
+template <typename T>
+void decode_avx512(const Pool<T>& p, const std::vector<int64_t>& decodes) {
+  const int64_t threads = at::get_num_threads(), num_kv_heads = p.num_kv_heads, head_size = p.head_size;
+  const int64_t per_item = static_cast<int64_t>(decodes.size()) >= 2 * threads ? num_kv_heads : 1;
+  const int64_t items = static_cast<int64_t>(decodes.size()) * (num_kv_heads / per_item);
+  const int64_t heads = per_item * p.group;
+  const auto sequence = [&](int64_t item) { return decodes[item * per_item / num_kv_heads]; };
+  const std::vector<std::vector<int64_t>> shares =
+      balance(items, threads, [&](int64_t item) { return static_cast<int64_t>(p.lens[sequence(item)]); });
+  at::parallel_for(0, static_cast<int64_t>(shares.size()), 1, [&](int64_t first_share, int64_t last_share) {
+    std::vector<float> scores, sums(heads), acc(heads * head_size), q(heads * head_size);
+    for (int64_t share = first_share; share < last_share; ++share) {
+      for (const int64_t item : shares[share]) {
+        const int64_t s = sequence(item), first_head = item * per_item % num_kv_heads * p.group;
+        const int64_t ctx = p.lens[s], token = p.starts[s];
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* from = p.q + token * p.q_token + (first_head + h) * p.q_head;
+          for (int64_t d = 0; d < head_size; ++d) q[h * head_size + d] = to_float(from[d]);
+        }
+        const int64_t stride = (ctx + kExpWidth - 1) / kExpWidth * kExpWidth;
+        scores.assign(heads * stride, -std::numeric_limits<float>::infinity());
+        const int64_t kv_offset = first_head / p.group * p.c_head;
+        const pagedserve_cpu_attention::Rows rows{
+            p.k + kv_offset, p.v + kv_offset, std::is_same_v<T, c10::BFloat16>, p.table + s * p.max_blocks, ctx,
+            p.block_size, p.c_block, p.c_token, p.c_head, per_item, head_size, p.group, p.scale};
+        pagedserve_cpu_attention::scores_avx512(rows, q.data(), scores.data(), stride);
+        pagedserve_cpu_attention::exponentiate_avx512(scores.data(), heads, stride, ctx, sums.data());
+        std::fill(acc.begin(), acc.end(), 0.f);
+        pagedserve_cpu_attention::weighted_sum_avx512(rows, scores.data(), stride, acc.data());
+        for (int64_t h = 0; h < heads; ++h) {
+          T* o = p.out + token * p.o_token + (first_head + h) * p.o_head;
+          const float inv = 1.f / sums[h];
+          for (int64_t d = 0; d < head_size; ++d) o[d] = from_float<T>(acc[h * head_size + d] * inv);
+        }
+      }
+    }
+  });
+}
+
 template <typename T>
 void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
             const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc, double scale) {
@@ -152,38 +229,9 @@ void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
   const auto fscale = static_cast<float>(scale);
 
   if (pagedserve_cpu_features::avx512_enabled() && head_size % 16 == 0 && head_size <= 128) {
-    // One work item per sequence, all its KV heads (each block's rows read whole), or per sequence and KV head
-    // when there are too few sequences to keep every thread busy (a single long context).
-    const int64_t per_item = static_cast<int64_t>(decodes.size()) >= 2 * at::get_num_threads() ? num_kv_heads : 1;
-    const int64_t items = static_cast<int64_t>(decodes.size()) * (num_kv_heads / per_item);
-    const int64_t heads = per_item * group;
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, sums(heads), acc(heads * head_size), q(heads * head_size);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t s = decodes[item * per_item / num_kv_heads];
-        const int64_t g0 = item * per_item % num_kv_heads;  // the item's first KV head
-        const int64_t ctx = lens[s], token = starts[s];
-        for (int64_t h = 0; h < heads; ++h) {
-          const T* q_head_base = q_base + token * q_token + (g0 * group + h) * q_head;
-          for (int64_t d = 0; d < head_size; ++d) q[h * head_size + d] = to_float(q_head_base[d]);
-        }
-        const int64_t stride = (ctx + kExpWidth - 1) / kExpWidth * kExpWidth;
-        scores.assign(heads * stride, -std::numeric_limits<float>::infinity());
-        const pagedserve_cpu_attention::Rows rows{k_base + g0 * c_head, v_base + g0 * c_head,
-                                                  std::is_same_v<T, c10::BFloat16>, table + s * max_blocks, ctx,
-                                                  block_size, c_block, c_token, c_head, per_item, head_size, group,
-                                                  fscale};
-        pagedserve_cpu_attention::scores_avx512(rows, q.data(), scores.data(), stride);
-        pagedserve_cpu_attention::exponentiate_avx512(scores.data(), heads, stride, ctx, sums.data());
-        std::fill(acc.begin(), acc.end(), 0.f);
-        pagedserve_cpu_attention::weighted_sum_avx512(rows, scores.data(), stride, acc.data());
-        for (int64_t h = 0; h < heads; ++h) {
-          T* o = out_base + token * o_token + (g0 * group + h) * o_head;
-          const float inv = 1.f / sums[h];
-          for (int64_t d = 0; d < head_size; ++d) o[d] = from_float<T>(acc[h * head_size + d] * inv);
-        }
-      }
-    });
+    const Pool<T> pool{q_base, out_base, k_base, v_base, table, lens, starts, max_blocks, block_size, num_kv_heads,
+                       head_size, group, q_token, q_head, o_token, o_head, c_block, c_token, c_head, fscale};
+    decode_avx512(pool, decodes);
     return;
   }
 

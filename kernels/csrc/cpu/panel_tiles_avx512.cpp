@@ -9,6 +9,7 @@
 // holds one output's weights at k and k + 1, which is what VDPBF16PS multiplies by the row's pair (x[k],
 // x[k + 1]) broadcast to every lane, adding both products to the output's float32 sum.
 #include <cstdint>
+#include <type_traits>
 
 #include "panel_linear.h"
 
@@ -23,9 +24,29 @@ namespace pagedserve_cpu_panel {
 
 namespace {
 
-template <int R, int S>
-inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out,
-                     int64_t ldo, const float* init, const float* ahead) {
+// One step of k for each element type: the weights' register, a row's value broadcast to every lane, and the
+// product added to the float32 sums.
+struct Floats {
+  using Weights = __m512;
+  static Weights load(const float* p) { return _mm512_loadu_ps(p); }
+  static Weights broadcast(float a) { return _mm512_set1_ps(a); }
+  static __m512 add(__m512 sums, Weights x, Weights w) { return _mm512_fmadd_ps(x, w, sums); }
+};
+
+struct Pairs {  // a uint32 holds two bfloat16, at k and k + 1
+  using Weights = __m512bh;
+  static Weights load(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Weights broadcast(uint32_t a) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(a)); }
+  static __m512 add(__m512 sums, Weights x, Weights w) { return _mm512_dpbf16_ps(sums, x, w); }
+};
+
+template <typename T>
+using StepOf = std::conditional_t<std::is_same_v<T, float>, Floats, Pairs>;
+
+template <typename T, int R, int S>
+inline void tile(const T* a, int64_t lda, const T* b, int64_t ld, int64_t kn, float* out, int64_t ldo,
+                 const float* init, const T* ahead) {
+  using Step = StepOf<T>;
   __m512 acc[R][S];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -34,18 +55,18 @@ inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t ld, in
     for (int s = 0; s < S; ++s) acc[r][s] = _mm512_loadu_ps(from + 16 * s);
   }
   for (int64_t k = 0; k < kn; ++k) {
-    const float* bk = b + k * ld;
-    __m512 w[S];
+    const T* bk = b + k * ld;
+    typename Step::Weights w[S];
 #pragma GCC unroll 4
     for (int s = 0; s < S; ++s) {
       if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + (k * S + s) * 16), _MM_HINT_T0);
-      w[s] = _mm512_loadu_ps(bk + 16 * s);
+      w[s] = Step::load(bk + 16 * s);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r * lda + k]);
+      const auto x = Step::broadcast(a[r * lda + k]);
 #pragma GCC unroll 4
-      for (int s = 0; s < S; ++s) acc[r][s] = _mm512_fmadd_ps(x, w[s], acc[r][s]);
+      for (int s = 0; s < S; ++s) acc[r][s] = Step::add(acc[r][s], x, w[s]);
     }
   }
 #pragma GCC unroll 8
@@ -55,76 +76,27 @@ inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t ld, in
   }
 }
 
-// a and b in bfloat16 pairs (one uint32 each); kn, lda and ld count pairs.
-template <int R, int S>
-inline void tile_bf16(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ld, int64_t kn, float* out,
-                      int64_t ldo, const float* init, const uint32_t* ahead) {
-  __m512 acc[R][S];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const float* from = init ? init : out + r * ldo;
-#pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_loadu_ps(from + 16 * s);
-  }
-  for (int64_t k = 0; k < kn; ++k) {
-    const uint32_t* bk = b + k * ld;
-    __m512bh w[S];
-#pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) {
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + (k * S + s) * 16), _MM_HINT_T0);
-      w[s] = (__m512bh)_mm512_loadu_si512(bk + 16 * s);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + k]));
-#pragma GCC unroll 4
-      for (int s = 0; s < S; ++s) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], x, w[s]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) _mm512_storeu_ps(out + r * ldo + 16 * s, acc[r][s]);
-  }
-}
-
-template <typename T, int S, typename Tile>
+template <typename T, int S>
 inline void by_rows(int64_t rows, const T* a, int64_t lda, const T* b, int64_t ld, int64_t kn, float* out,
                     int64_t ldo, const float* init, const T* ahead) {
   switch (rows) {
-    case 1: return Tile::template run<1, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
-    case 2: return Tile::template run<2, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
-    case 3: return Tile::template run<3, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
-    case 4: return Tile::template run<4, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
-    case 5: return Tile::template run<5, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
-    default: return Tile::template run<6, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 1: return tile<T, 1, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 2: return tile<T, 2, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 3: return tile<T, 3, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 4: return tile<T, 4, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 5: return tile<T, 5, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    default: return tile<T, 6, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
   }
 }
 
-struct F32 {
-  template <int R, int S>
-  static void run(const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out, int64_t ldo,
-                  const float* init, const float* ahead) {
-    tile_f32<R, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
-  }
-};
-
-struct BF16 {
-  template <int R, int S>
-  static void run(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ld, int64_t kn, float* out,
-                  int64_t ldo, const float* init, const uint32_t* ahead) {
-    tile_bf16<R, S>(a, lda, b, ld, kn, out, ldo, init, ahead);
-  }
-};
-
-template <typename T, typename Tile>
+template <typename T>
 void dispatch(int64_t rows, int64_t width, const T* a, int64_t lda, const T* b, int64_t ld, int64_t kn,
               float* out, int64_t ldo, const float* init, const T* ahead) {
   switch (width / 16) {
-    case 1: return by_rows<T, 1, Tile>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
-    case 2: return by_rows<T, 2, Tile>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
-    case 3: return by_rows<T, 3, Tile>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
-    default: return by_rows<T, 4, Tile>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 1: return by_rows<T, 1>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 2: return by_rows<T, 2>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 3: return by_rows<T, 3>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
+    default: return by_rows<T, 4>(rows, a, lda, b, ld, kn, out, ldo, init, ahead);
   }
 }
 
@@ -132,12 +104,12 @@ void dispatch(int64_t rows, int64_t width, const T* a, int64_t lda, const T* b, 
 
 void tile_f32_avx512(int64_t rows, int64_t width, const float* a, int64_t lda, const float* b, int64_t ld,
                      int64_t kn, float* out, int64_t ldo, const float* init, const float* ahead) {
-  dispatch<float, F32>(rows, width, a, lda, b, ld, kn, out, ldo, init, ahead);
+  dispatch<float>(rows, width, a, lda, b, ld, kn, out, ldo, init, ahead);
 }
 
 void tile_bf16_avx512(int64_t rows, int64_t width, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ld,
                       int64_t kn, float* out, int64_t ldo, const float* init, const uint32_t* ahead) {
-  dispatch<uint32_t, BF16>(rows, width, a, lda, b, ld, kn, out, ldo, init, ahead);
+  dispatch<uint32_t>(rows, width, a, lda, b, ld, kn, out, ldo, init, ahead);
 }
 
 #pragma GCC pop_options
