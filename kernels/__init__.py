@@ -9,7 +9,9 @@ use) when a compiler is at hand. Callers never import reference or the extension
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from kernels import reference
 
 __all__ = [
     "add_rms_norm",
+    "avx512",
     "copy_blocks",
     "cpp_layers_support",
     "llama_decode_layers",
@@ -226,6 +229,19 @@ def panel_kernel_ready(dtype: torch.dtype = torch.float32) -> bool:
     if dtype == torch.float32:
         return bool(ops.panel_linear_vectorized())
     return dtype == torch.bfloat16 and bool(ops.panel_linear_bf16())
+
+
+@contextlib.contextmanager
+def avx512(enabled: bool) -> Iterator[None]:
+    """The CPU kernels' AVX-512 loops turned on (where the CPU has them) or off within the block; off, they
+    run their AVX2 loops. Outside, PAGEDSERVE_AVX512=0 in the environment turns them off for the process."""
+    ops = _cpu_ops(torch.empty(0))
+    assert ops is not None, "no CPU kernels here"
+    was = ops.set_avx512(enabled)
+    try:
+        yield
+    finally:
+        ops.set_avx512(was)
 
 
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, panel: int) -> Tensor:

@@ -69,7 +69,7 @@ def panel_width(plain: torch.Tensor, packed: torch.Tensor) -> int:
         return 0
     rows, cols = plain.shape
     raw = packed_bytes(packed)
-    if raw.numel() != rows * cols or cols % 2:  # padded or blocked otherwise
+    if raw.numel() != rows * cols:  # padded or blocked otherwise (so is an odd K, in either dtype)
         return 0
     for width in PANEL_WIDTHS:
         if rows % width:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,26 +23,26 @@ TWIN_DECODE = reference._decode_batch
 
 
 @pytest.fixture(autouse=True, params=["torch", "cpu-kernel", "cpu-kernel-avx2"])
-def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Every test runs on the pure-torch ops and again with decode attention in the CPU C++ kernel: in AVX-512
-    where the CPU has it, and in its AVX2 loops (PAGEDSERVE_AVX512=0) on such a CPU too."""
+    where the CPU has it, and in its AVX2 loops (kernels.avx512(False)) on such a CPU too."""
     if request.param == "torch":
         monkeypatch.setattr(kernels, "_cpu_ops", lambda t: None)
-    else:
-        if request.param == "cpu-kernel-avx2":
-            if not torch.cpu._is_avx512_supported():
-                pytest.skip("the CPU has no AVX-512: cpu-kernel runs the AVX2 loops already")
-            monkeypatch.setenv("PAGEDSERVE_AVX512", "0")
-        if shutil.which("c++") is None:
-            pytest.skip("no C++ compiler for the CPU kernel")
-        assert load_cpu_extension() is not None, "the CPU kernel failed to build (see the log)"
+        yield str(request.param)
+        return
+    if request.param == "cpu-kernel-avx2" and not torch.cpu._is_avx512_supported():
+        pytest.skip("the CPU has no AVX-512: cpu-kernel runs the AVX2 loops already")
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    assert load_cpu_extension() is not None, "the CPU kernel failed to build (see the log)"
 
-        def no_twin(*args: object) -> None:
-            raise AssertionError("float32 and bfloat16 decodes on the CPU must run in the C++ kernel")
+    def no_twin(*args: object) -> None:
+        raise AssertionError("float32 and bfloat16 decodes on the CPU must run in the C++ kernel")
 
-        # float16 stays on the twin; float32 and bfloat16 decodes must never reach it.
-        monkeypatch.setattr(reference, "_decode_batch", no_twin)
-    return str(request.param)
+    # float16 stays on the twin; float32 and bfloat16 decodes must never reach it.
+    monkeypatch.setattr(reference, "_decode_batch", no_twin)
+    with kernels.avx512(request.param == "cpu-kernel"):
+        yield str(request.param)
 
 
 def dense_attention(

@@ -1,31 +1,36 @@
 // What the CPU kernels may use of this CPU, asked at run time.
 #pragma once
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 namespace pagedserve_cpu_features {
 
-// AVX-512 (AVX512F) where the CPU has it, unless PAGEDSERVE_AVX512=0 (to compare with the AVX2 paths on one
-// machine, and to test them there; read at every call, a few nanoseconds). GCC only: the AVX-512 loops are
-// compiled through its target pragma.
-inline bool avx512_enabled() {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-  const char* flag = std::getenv("PAGEDSERVE_AVX512");
-  return __builtin_cpu_supports("avx512f") && !(flag && std::strcmp(flag, "0") == 0);
+// GCC only: the AVX-512 loops are compiled through its target pragma.
+inline bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f"); }
+// AVX512_BF16's pair dot product (VDPBF16PS); not turned off with the AVX-512 loops (set_avx512), as nothing
+// else multiplies bfloat16 panels.
+inline bool cpu_has_avx512_bf16() { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 #else
-  return false;
+inline bool cpu_has_avx512() { return false; }
+inline bool cpu_has_avx512_bf16() { return false; }
 #endif
+
+// Whether the kernels take their AVX-512 loops: where the CPU has AVX512F, unless PAGEDSERVE_AVX512=0 when
+// first asked (to compare with the AVX2 loops on one machine); set_avx512 switches it (the tests run both).
+inline std::atomic<bool>& avx512_switch() {
+  static std::atomic<bool> on{[] {
+    const char* flag = std::getenv("PAGEDSERVE_AVX512");
+    return cpu_has_avx512() && !(flag && std::strcmp(flag, "0") == 0);
+  }()};
+  return on;
 }
 
-// AVX512_BF16's pair dot product (VDPBF16PS) where the CPU has it; not turned off by PAGEDSERVE_AVX512, as
-// nothing else multiplies bfloat16 panels.
-inline bool avx512_bf16_supported() {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
+inline bool avx512_enabled() { return avx512_switch().load(std::memory_order_relaxed); }
+
+// Turns the AVX-512 loops on (where the CPU has them) or off; returns whether they were on.
+inline bool set_avx512(bool enabled) { return avx512_switch().exchange(enabled && cpu_has_avx512()); }
 
 }  // namespace pagedserve_cpu_features

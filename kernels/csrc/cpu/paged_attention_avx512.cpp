@@ -9,6 +9,7 @@
 // 16-float chunks, then added across the lanes; the weighted sum adds each V row, times each head's weight,
 // into float32 accumulators. bfloat16 rows are widened to float as they load.
 #include <cstdint>
+#include <type_traits>
 
 #include "paged_attention_avx512.h"
 
@@ -30,21 +31,32 @@ inline __m512 load(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// A row's NC chunks of 16.
+template <int NC, typename T>
+inline void load_row(__m512 (&to)[NC], const T* row) {
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) to[c] = load(row + c * 16);
+}
+
+// HG heads' vectors of NC chunks, from HG x NC x 16 floats in a row.
+template <int HG, int NC>
+inline void load_heads(__m512 (&to)[HG][NC], const float* from) {
+#pragma GCC unroll 4
+  for (int h = 0; h < HG; ++h) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) to[h][c] = load(from + (h * NC + c) * 16);
+  }
+}
+
 // HG query heads at a time over a block's rows: each K row is loaded once for all of them.
 template <typename T, int NC, int HG>
 void score_rows(const float* q, const T* block, int64_t rows, int64_t c_token, float scale, float* out,
                 int64_t stride) {
   __m512 qh[HG][NC];
-#pragma GCC unroll 4
-  for (int h = 0; h < HG; ++h) {
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) qh[h][c] = load(q + (h * NC + c) * 16);
-  }
+  load_heads(qh, q);
   for (int64_t p = 0; p < rows; ++p) {
-    const T* k_row = block + p * c_token;
     __m512 k[NC];
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) k[c] = load(k_row + c * 16);
+    load_row(k, block + p * c_token);
 #pragma GCC unroll 4
     for (int h = 0; h < HG; ++h) {
       __m512 sum = _mm512_mul_ps(qh[h][0], k[0]);
@@ -61,8 +73,9 @@ constexpr int heads_together() {
   return NC <= 3 ? 4 : NC <= 4 ? 3 : NC <= 6 ? 2 : 1;
 }
 
-// Every KV head of the item, a block at a time: kHeads query heads of one KV head at a time read the block's rows
-// of that head (from memory for the first of them, from L1 for the others).
+// Every KV head of the item, a block at a time: kHeads query heads of one KV head at a time (the last few one by
+// one) read the block's rows of that head, from memory for the first of them and from L1 for the others.
+// pass(heads, first query head, first position, the head's rows of the block, rows), heads an integral_constant.
 template <typename T, int NC, typename Pass>
 void over_blocks(const Rows& r, const T* base, Pass pass) {
   constexpr int kHeads = heads_together<NC>();
@@ -70,44 +83,33 @@ void over_blocks(const Rows& r, const T* base, Pass pass) {
     const T* block = base + static_cast<int64_t>(r.row[first / r.block_size]) * r.c_block;  // widened first
     const int64_t rows = first + r.block_size <= r.ctx ? r.block_size : r.ctx - first;
     for (int64_t g = 0; g < r.num_kv_heads; ++g) {
-      for (int64_t h = 0; h < r.group;) {
-        const bool together = h + kHeads <= r.group;
-        pass(together, g * r.group + h, first, block + g * r.c_head, rows);
-        h += together ? kHeads : 1;
+      const T* rows_of_head = block + g * r.c_head;
+      int64_t h = 0;
+      for (; h + kHeads <= r.group; h += kHeads) {
+        pass(std::integral_constant<int, kHeads>{}, g * r.group + h, first, rows_of_head, rows);
       }
+      for (; h < r.group; ++h) pass(std::integral_constant<int, 1>{}, g * r.group + h, first, rows_of_head, rows);
     }
   }
 }
 
 template <typename T, int NC>
 void scores_of(const Rows& r, const float* q, float* scores, int64_t stride) {
-  constexpr int kHeads = heads_together<NC>();
-  over_blocks<T, NC>(r, static_cast<const T*>(r.k),
-                     [&](bool together, int64_t head, int64_t first, const T* block, int64_t rows) {
-                       const float* qh = q + head * NC * 16;
-                       float* out = scores + head * stride + first;
-                       if (together) {
-                         score_rows<T, NC, kHeads>(qh, block, rows, r.c_token, r.scale, out, stride);
-                       } else {
-                         score_rows<T, NC, 1>(qh, block, rows, r.c_token, r.scale, out, stride);
-                       }
-                     });
+  over_blocks<T, NC>(r, static_cast<const T*>(r.k), [&](auto heads, int64_t head, int64_t first, const T* block,
+                                                         int64_t rows) {
+    score_rows<T, NC, decltype(heads)::value>(q + head * NC * 16, block, rows, r.c_token, r.scale,
+                                              scores + head * stride + first, stride);
+  });
 }
 
 // HG query heads at a time: their accumulators stay in registers over a block's rows.
 template <typename T, int NC, int HG>
 void add_rows(const float* weights, int64_t stride, const T* block, int64_t rows, int64_t c_token, float* acc) {
   __m512 a[HG][NC];
-#pragma GCC unroll 4
-  for (int h = 0; h < HG; ++h) {
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) a[h][c] = load(acc + (h * NC + c) * 16);
-  }
+  load_heads(a, acc);
   for (int64_t p = 0; p < rows; ++p) {
-    const T* v_row = block + p * c_token;
     __m512 v[NC];
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) v[c] = load(v_row + c * 16);
+    load_row(v, block + p * c_token);
 #pragma GCC unroll 4
     for (int h = 0; h < HG; ++h) {
       const __m512 w = _mm512_set1_ps(weights[h * stride + p]);
@@ -124,17 +126,11 @@ void add_rows(const float* weights, int64_t stride, const T* block, int64_t rows
 
 template <typename T, int NC>
 void weighted_sum(const Rows& r, const float* weights, int64_t stride, float* acc) {
-  constexpr int kHeads = heads_together<NC>();
-  over_blocks<T, NC>(r, static_cast<const T*>(r.v),
-                     [&](bool together, int64_t head, int64_t first, const T* block, int64_t rows) {
-                       const float* w = weights + head * stride + first;
-                       float* a = acc + head * NC * 16;
-                       if (together) {
-                         add_rows<T, NC, kHeads>(w, stride, block, rows, r.c_token, a);
-                       } else {
-                         add_rows<T, NC, 1>(w, stride, block, rows, r.c_token, a);
-                       }
-                     });
+  over_blocks<T, NC>(r, static_cast<const T*>(r.v), [&](auto heads, int64_t head, int64_t first, const T* block,
+                                                         int64_t rows) {
+    add_rows<T, NC, decltype(heads)::value>(weights + head * stride + first, stride, block, rows, r.c_token,
+                                            acc + head * NC * 16);
+  });
 }
 
 // e^x of 16 floats: exp_in_place's steps (cpu_math.h) on 16 lanes, so each lane gives its bits.
@@ -156,50 +152,41 @@ inline __m512 exp16(__m512 given) {
   return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(given, given, _CMP_UNORD_Q), given);
 }
 
-template <typename T>
-void scores_by_width(const Rows& r, const float* q, float* scores, int64_t stride) {
-  switch (r.head_size / 16) {
-    case 1: return scores_of<T, 1>(r, q, scores, stride);
-    case 2: return scores_of<T, 2>(r, q, scores, stride);
-    case 3: return scores_of<T, 3>(r, q, scores, stride);
-    case 4: return scores_of<T, 4>(r, q, scores, stride);
-    case 5: return scores_of<T, 5>(r, q, scores, stride);
-    case 6: return scores_of<T, 6>(r, q, scores, stride);
-    case 7: return scores_of<T, 7>(r, q, scores, stride);
-    default: return scores_of<T, 8>(r, q, scores, stride);
-  }
-}
-
-template <typename T>
-void sum_by_width(const Rows& r, const float* weights, int64_t stride, float* acc) {
-  switch (r.head_size / 16) {
-    case 1: return weighted_sum<T, 1>(r, weights, stride, acc);
-    case 2: return weighted_sum<T, 2>(r, weights, stride, acc);
-    case 3: return weighted_sum<T, 3>(r, weights, stride, acc);
-    case 4: return weighted_sum<T, 4>(r, weights, stride, acc);
-    case 5: return weighted_sum<T, 5>(r, weights, stride, acc);
-    case 6: return weighted_sum<T, 6>(r, weights, stride, acc);
-    case 7: return weighted_sum<T, 7>(r, weights, stride, acc);
-    default: return weighted_sum<T, 8>(r, weights, stride, acc);
+// f(an element, the width) with the rows' element type (float, or bfloat16 bits) and their head size in chunks
+// of 16 as types: the one place a pass is instantiated for every shape.
+template <typename F>
+void by_shape(const Rows& r, F f) {
+  const auto widths = [&](auto element) {
+    switch (r.head_size / 16) {
+      case 1: return f(element, std::integral_constant<int, 1>{});
+      case 2: return f(element, std::integral_constant<int, 2>{});
+      case 3: return f(element, std::integral_constant<int, 3>{});
+      case 4: return f(element, std::integral_constant<int, 4>{});
+      case 5: return f(element, std::integral_constant<int, 5>{});
+      case 6: return f(element, std::integral_constant<int, 6>{});
+      case 7: return f(element, std::integral_constant<int, 7>{});
+      default: return f(element, std::integral_constant<int, 8>{});
+    }
+  };
+  if (r.bf16) {
+    widths(uint16_t{});
+  } else {
+    widths(float{});
   }
 }
 
 }  // namespace
 
 void scores_avx512(const Rows& rows, const float* q, float* scores, int64_t stride) {
-  if (rows.bf16) {
-    scores_by_width<uint16_t>(rows, q, scores, stride);
-  } else {
-    scores_by_width<float>(rows, q, scores, stride);
-  }
+  by_shape(rows, [&](auto element, auto width) {
+    scores_of<decltype(element), decltype(width)::value>(rows, q, scores, stride);
+  });
 }
 
 void weighted_sum_avx512(const Rows& rows, const float* weights, int64_t stride, float* acc) {
-  if (rows.bf16) {
-    sum_by_width<uint16_t>(rows, weights, stride, acc);
-  } else {
-    sum_by_width<float>(rows, weights, stride, acc);
-  }
+  by_shape(rows, [&](auto element, auto width) {
+    weighted_sum<decltype(element), decltype(width)::value>(rows, weights, stride, acc);
+  });
 }
 
 void exponentiate_avx512(float* scores, int64_t heads, int64_t stride, int64_t ctx, float* sums) {

@@ -152,7 +152,27 @@ struct Pool {
   int64_t max_blocks, block_size, num_kv_heads, head_size, group;
   int64_t q_token, q_head, o_token, o_head, c_block, c_token, c_head;
   float scale;
+
+  // The query heads first_head.. first_head + heads - 1 of a token, as floats (q [heads][head_size]).
+  void load_queries(int64_t token, int64_t first_head, int64_t heads, float* to) const {
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* from = q + token * q_token + (first_head + h) * q_head;
+      for (int64_t d = 0; d < head_size; ++d) to[h * head_size + d] = to_float(from[d]);
+    }
+  }
+
+  // The same heads' outputs: each head's weighted sum over its softmax's total.
+  void write_outputs(int64_t token, int64_t first_head, int64_t heads, const float* acc, const float* sums) const {
+    for (int64_t h = 0; h < heads; ++h) {
+      T* o = out + token * o_token + (first_head + h) * o_head;
+      const float inv = 1.f / sums[h];
+      for (int64_t d = 0; d < head_size; ++d) o[d] = from_float<T>(acc[h * head_size + d] * inv);
+    }
+  }
 };
+
+// Each head's scores padded to the exponential's width, the padding -inf (its weights come out 0).
+inline int64_t padded(int64_t ctx) { return (ctx + kExpWidth - 1) / kExpWidth * kExpWidth; }
 
 // The AVX-512 loops (paged_attention_avx512.cpp). One work item per sequence, all its KV heads (each block's
 // rows read whole), or per sequence and KV head when there are too few sequences to keep every thread busy (a
@@ -171,12 +191,8 @@ void decode_avx512(const Pool<T>& p, const std::vector<int64_t>& decodes) {
     for (int64_t share = first_share; share < last_share; ++share) {
       for (const int64_t item : shares[share]) {
         const int64_t s = sequence(item), first_head = item * per_item % num_kv_heads * p.group;
-        const int64_t ctx = p.lens[s], token = p.starts[s];
-        for (int64_t h = 0; h < heads; ++h) {
-          const T* from = p.q + token * p.q_token + (first_head + h) * p.q_head;
-          for (int64_t d = 0; d < head_size; ++d) q[h * head_size + d] = to_float(from[d]);
-        }
-        const int64_t stride = (ctx + kExpWidth - 1) / kExpWidth * kExpWidth;
+        const int64_t ctx = p.lens[s], token = p.starts[s], stride = padded(ctx);
+        p.load_queries(token, first_head, heads, q.data());
         scores.assign(heads * stride, -std::numeric_limits<float>::infinity());
         const int64_t kv_offset = first_head / p.group * p.c_head;
         const pagedserve_cpu_attention::Rows rows{
@@ -186,12 +202,48 @@ void decode_avx512(const Pool<T>& p, const std::vector<int64_t>& decodes) {
         pagedserve_cpu_attention::exponentiate_avx512(scores.data(), heads, stride, ctx, sums.data());
         std::fill(acc.begin(), acc.end(), 0.f);
         pagedserve_cpu_attention::weighted_sum_avx512(rows, scores.data(), stride, acc.data());
-        for (int64_t h = 0; h < heads; ++h) {
-          T* o = p.out + token * p.o_token + (first_head + h) * p.o_head;
-          const float inv = 1.f / sums[h];
-          for (int64_t d = 0; d < head_size; ++d) o[d] = from_float<T>(acc[h * head_size + d] * inv);
+        p.write_outputs(token, first_head, heads, acc.data(), sums.data());
+      }
+    }
+  });
+}
+
+// The AVX2 loops. One work item per sequence: its K rows, then its V rows, are read in order, all KV heads of a
+// token at once (one contiguous row of the block), so each cache line is fetched once and the prefetcher sees a
+// stream.
+template <typename T>
+void decode_avx2(const Pool<T>& p, const std::vector<int64_t>& decodes) {
+  const int64_t num_heads = p.num_kv_heads * p.group, head_size = p.head_size;
+  at::parallel_for(0, static_cast<int64_t>(decodes.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, sums(num_heads), acc(num_heads * head_size), q(num_heads * head_size);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = decodes[item];
+      const int64_t ctx = p.lens[s], token = p.starts[s], stride = padded(ctx);
+      const int32_t* row = p.table + s * p.max_blocks;
+      p.load_queries(token, 0, num_heads, q.data());
+      scores.assign(num_heads * stride, -std::numeric_limits<float>::infinity());
+      // Pass 1: scores of every query head against every K row.
+      for (int64_t pos = 0; pos < ctx; ++pos) {
+        const int64_t block = row[pos / p.block_size];  // widened before the stride multiply
+        const T* k_row = p.k + block * p.c_block + (pos % p.block_size) * p.c_token;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          scores[h * stride + pos] =
+              dot(q.data() + h * head_size, k_row + (h / p.group) * p.c_head, head_size) * p.scale;
         }
       }
+      // Pass 2: softmax weights.
+      exponentiate(scores.data(), num_heads, stride, ctx, sums.data());
+      // Pass 3: the weighted sum of the V rows.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t pos = 0; pos < ctx; ++pos) {
+        const int64_t block = row[pos / p.block_size];
+        const T* v_row = p.v + block * p.c_block + (pos % p.block_size) * p.c_token;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          axpy(acc.data() + h * head_size, scores[h * stride + pos], v_row + (h / p.group) * p.c_head,
+               head_size);
+        }
+      }
+      p.write_outputs(token, 0, num_heads, acc.data(), sums.data());
     }
   });
 }
@@ -217,67 +269,15 @@ void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
     }
     decodes.push_back(s);
   }
-
-  const int64_t group = num_heads / num_kv_heads;
-  const T* q_base = query.data_ptr<T>();
-  T* out_base = out.data_ptr<T>();
-  const T* k_base = k_cache.data_ptr<T>();
-  const T* v_base = v_cache.data_ptr<T>();
-  const int64_t q_token = query.stride(0), q_head = query.stride(1);
-  const int64_t o_token = out.stride(0), o_head = out.stride(1);
-  const int64_t c_block = k_cache.stride(0), c_token = k_cache.stride(1), c_head = k_cache.stride(2);
-  const auto fscale = static_cast<float>(scale);
-
+  const Pool<T> pool{query.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                     table, lens, starts, max_blocks, block_size, num_kv_heads, head_size,
+                     num_heads / num_kv_heads, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
   if (pagedserve_cpu_features::avx512_enabled() && head_size % 16 == 0 && head_size <= 128) {
-    const Pool<T> pool{q_base, out_base, k_base, v_base, table, lens, starts, max_blocks, block_size, num_kv_heads,
-                       head_size, group, q_token, q_head, o_token, o_head, c_block, c_token, c_head, fscale};
     decode_avx512(pool, decodes);
-    return;
+  } else {
+    decode_avx2(pool, decodes);
   }
-
-  // One work item per sequence: its K rows, then its V rows, are read in order, all KV heads of a token at once
-  // (one contiguous row of the block), so each cache line is fetched once and the prefetcher sees a stream.
-  at::parallel_for(0, static_cast<int64_t>(decodes.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, sum(num_heads), acc(num_heads * head_size);
-    std::vector<float> q(num_heads * head_size);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = decodes[item];
-      const int64_t ctx = lens[s], token = starts[s];
-      const int32_t* row = table + s * max_blocks;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const T* q_head_base = q_base + token * q_token + h * q_head;
-        for (int64_t d = 0; d < head_size; ++d) q[h * head_size + d] = to_float(q_head_base[d]);
-      }
-      // Each head's scores padded to the exponential's width (the padding's weights come out 0).
-      const int64_t stride = (ctx + kExpWidth - 1) / kExpWidth * kExpWidth;
-      scores.assign(num_heads * stride, -std::numeric_limits<float>::infinity());
-      // Pass 1: scores of every query head against every K row.
-      for (int64_t pos = 0; pos < ctx; ++pos) {
-        const int64_t block = row[pos / block_size];  // widened before the stride multiply
-        const T* k_row = k_base + block * c_block + (pos % block_size) * c_token;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          scores[h * stride + pos] =
-              dot(q.data() + h * head_size, k_row + (h / group) * c_head, head_size) * fscale;
-        }
-      }
-      // Pass 2: softmax weights.
-      exponentiate(scores.data(), num_heads, stride, ctx, sum.data());
-      // Pass 3: the weighted sum of the V rows.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = 0; pos < ctx; ++pos) {
-        const int64_t block = row[pos / block_size];
-        const T* v_row = v_base + block * c_block + (pos % block_size) * c_token;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          axpy(acc.data() + h * head_size, scores[h * stride + pos], v_row + (h / group) * c_head, head_size);
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        T* o = out_base + token * o_token + h * o_head;
-        const float inv = 1.f / sum[h];
-        for (int64_t d = 0; d < head_size; ++d) o[d] = from_float<T>(acc[h * head_size + d] * inv);
-      }
-    }
-  });
 }
 
 }  // namespace
@@ -286,6 +286,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+  // The kernels' AVX-512 loops on or off (cpu_features.h); returns whether they were on.
+  m.def("set_avx512(bool enabled) -> bool", TORCH_FN(pagedserve_cpu_features::set_avx512));
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention_decode", &paged_attention_decode); }

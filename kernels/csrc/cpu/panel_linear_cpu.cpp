@@ -36,7 +36,7 @@ namespace pagedserve_cpu_panel {
 
 namespace {
 
-using pagedserve_cpu_features::avx512_bf16_supported;
+using pagedserve_cpu_features::cpu_has_avx512_bf16;
 using pagedserve_cpu_features::avx512_enabled;
 
 #define PAGEDSERVE_CHECK(cond, ...) TORCH_CHECK(cond, "pagedserve: ", __VA_ARGS__)
@@ -156,11 +156,11 @@ bool panel_linear_vectorized() {
 #if defined(__AVX2__) && defined(__FMA__)
   return true;
 #else
-  return avx512_enabled();
+  return pagedserve_cpu_features::cpu_has_avx512();
 #endif
 }
 
-bool panel_linear_bf16() { return avx512_bf16_supported(); }
+bool panel_linear_bf16() { return cpu_has_avx512_bf16(); }
 
 void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_t n, int64_t panel,
                        const Tensor& bias) {
@@ -185,7 +185,7 @@ void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_
 }
 
 Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n, int64_t panel, const Tensor& bias) {
-  PAGEDSERVE_CHECK(avx512_bf16_supported(), "the bfloat16 panel kernel needs AVX512_BF16");
+  PAGEDSERVE_CHECK(cpu_has_avx512_bf16(), "the bfloat16 panel kernel needs AVX512_BF16");
   PAGEDSERVE_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 &&
                        x.stride(0) % 2 == 0,
                    "x must be bfloat16 [rows, K], K even");
