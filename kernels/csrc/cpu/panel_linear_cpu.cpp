@@ -117,9 +117,10 @@ int64_t avx512_strip(int64_t panel) {
   return 16;
 }
 
-// out [rows, n] (float32, row stride n) = a [rows, k_size] times the weight as n / panel panels [k_size][panel] of
-// T (a float, or a pair of bfloat16), plus bias. tile(rows, strip, ...) computes rows x strip outputs; finish(col)
-// is called once the panel from column col on is done (its outputs still in cache).
+// a [rows, k_size] times the weight as n / panel panels [k_size][panel] of T (a float, or a pair of bfloat16),
+// plus bias, as float32 sums. tile(rows, strip, ...) computes rows x strip outputs. The sums go to `out` [rows, n]
+// when it is given; else each thread sums a panel at a time into a [rows, panel] scratch of its own. Either way
+// finish(col, sums, ld) is called once the panel from column col on is done, its sums (row stride ld) in cache.
 template <typename T, typename Tile, typename Finish>
 void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T* weight, int64_t n, int64_t k_size,
                      int64_t panel, int64_t strip, const float* bias, Tile tile, Finish finish) {
@@ -127,8 +128,11 @@ void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T*
   // A panel is one unit of work: each block of it, [kBlockK][panel], is read from memory in one contiguous run
   // by the first strip's first tile, and found in L1 by the others.
   at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(out ? 0 : rows * panel);
+    const int64_t ld = out ? n : panel;
     for (int64_t unit = begin; unit < end; ++unit) {
       const T* base = weight + unit * panel * k_size;
+      float* sums = out ? out + unit * panel : scratch.data();
       for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
         const int64_t kn = std::min(kBlockK, k_size - k0);
         for (int64_t s = 0; s < panel / strip; ++s) {
@@ -139,16 +143,16 @@ void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T*
             const int64_t r = std::min(kTileRows, rows - r0);
             // The first row tile of each strip prefetches its share of the next block, a line a step.
             const T* ahead = r0 == 0 ? base + (k0 + kBlockK) * panel + s * kn * strip : nullptr;
-            tile(r, strip, a + r0 * lda + k0, lda, bs, panel, kn, out + r0 * n + col, n, init, ahead);
+            tile(r, strip, a + r0 * lda + k0, lda, bs, panel, kn, sums + r0 * ld + s * strip, ld, init, ahead);
           }
         }
       }
-      finish(unit * panel);
+      finish(unit * panel, sums, ld);
     }
   });
 }
 
-void nothing_left(int64_t) {}
+void nothing_left(int64_t, const float*, int64_t) {}
 
 }  // namespace
 
@@ -193,20 +197,18 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
                    " columns cannot tile ", n, " outputs");
   PAGEDSERVE_CHECK(!bias.defined() || bias.numel() == n, "bias must have ", n, " values");
   const int64_t rows = x.size(0);
-  Tensor sums = at::empty({rows, n}, x.options().dtype(at::kFloat));
   Tensor out = at::empty({rows, n}, x.options());
   const Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : Tensor();
   const auto* pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
-  const float* from = sums.data_ptr<float>();
   auto* to = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  // Each output rounded once, from its float32 sum (bias included), as oneDNN rounds; a panel as soon as it is
-  // done, while its sums are in cache.
-  const auto round_panel = [&](int64_t col) {
+  // Each output rounded once, from its float32 sum (bias included), as oneDNN rounds: a panel as soon as it is
+  // done, from its thread's scratch.
+  const auto round_panel = [&](int64_t col, const float* sums, int64_t ld) {
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t j = col; j < col + panel; ++j) to[r * n + j] = pagedserve_cpu_math::bf16_bits(from[r * n + j]);
+      for (int64_t j = 0; j < panel; ++j) to[r * n + col + j] = pagedserve_cpu_math::bf16_bits(sums[r * ld + j]);
     }
   };
-  multiply_panels(sums.data_ptr<float>(), rows, pairs, x.stride(0) / 2, weight, n, x.size(1) / 2, panel,
+  multiply_panels(static_cast<float*>(nullptr), rows, pairs, x.stride(0) / 2, weight, n, x.size(1) / 2, panel,
                   avx512_strip(panel), b.defined() ? b.data_ptr<float>() : nullptr, tile_bf16_avx512, round_panel);
   return out;
 }
