@@ -74,6 +74,8 @@ class SchedulerService:
         self.routed_matched_blocks = 0
         self._fresh: list[QueuedRequest] = []  # read this step: checked at once against every worker
         self._needs_resync = True
+        self._redis_was_away = False
+        self._sweeps_from = 0.0  # monotonic time before which no worker is declared dead (after an outage)
         self._stopping = False
         self._next_claim = 0.0
         self._next_refresh = 0.0
@@ -108,11 +110,18 @@ class SchedulerService:
                 except redis.RedisError as exc:
                     if backoff.failures == 0:
                         log.warning("Redis unavailable (%s); resynchronizing once it is back", exc)
-                    self._needs_resync = True
+                    self.redis_lost()
                     time.sleep(backoff.next_delay())
         finally:
             status.stop()
         log.info("scheduler %s stopped", self.consumer)
+
+    def redis_lost(self) -> None:
+        """Redis failed a call: resynchronize once it answers, and hold dead-worker sweeps for a heartbeat TTL
+        from then. A heartbeat that lapsed while Redis was away, or in a failover to a replica that never got the
+        last beats, says nothing of its worker: the worker beats again once it reconnects."""
+        self._needs_resync = True
+        self._redis_was_away = True
 
     def step(self, block_ms: int | None = None) -> None:
         """One iteration: claim orphans, read, refresh the workers when due, fail over, admit, publish."""
@@ -129,7 +138,7 @@ class SchedulerService:
             # read again every view_refresh_s, or as soon as a worker refused what the plan sent it.
             self.view.refresh()
             self._next_refresh, self._view_stale = now + self.settings.view_refresh_s, False
-            if self.view.dead:
+            if self.view.dead and now >= self._sweeps_from:
                 # The re-queued requests come back through the stream, so they take the normal path next step.
                 self.failover.sweep(self.view.dead)
         if self.kv is not None and (refreshed or self.queue):
@@ -148,6 +157,9 @@ class SchedulerService:
         while entries := self._read(last_id, None):
             last_id = entries[-1][0]
         self._needs_resync = False
+        if self._redis_was_away:
+            self._sweeps_from = time.monotonic() + self.settings.heartbeat_ttl_s
+            self._redis_was_away = False
         if self.queue:
             log.info("re-read %d pending requests", len(self.queue))
 

@@ -58,10 +58,6 @@ def _cluster(
         NUM_KV_BLOCKS="128",
         MAX_RUNNING_PER_WORKER=str(RUNNING_PER_WORKER),
         REDIS_OUTAGE_GRACE_S="30",
-        # Heartbeats outlive a failover (the lost writes, down-after, Sentinel's timers: 3 to 6 s), so no
-        # worker is declared dead meanwhile: its re-queued requests would mend the lost writes without the
-        # path under test (the workers' own repair), and hide them from the negative control.
-        HEARTBEAT_TTL_S="15",
         **env,
     )
     try:

@@ -321,6 +321,26 @@ def test_dead_worker_requests_resume_elsewhere(
     assert num_pending(r, keys) == 0
 
 
+def test_after_a_redis_outage_no_worker_is_declared_dead_for_a_heartbeat_ttl(
+    redis_url: str, redis_prefix: str, r: redis.Redis, keys: Keys
+) -> None:
+    """A heartbeat that lapsed while Redis was away (or in a failover) says nothing of its worker: the sweep
+    waits a heartbeat TTL from the scheduler's reconnection, then takes a worker that did not beat again."""
+    svc = make_service(redis_url, redis_prefix, heartbeat_ttl_s=0.5)
+    heartbeat(r, keys, "w1")
+    submit(r, keys, make_request("a"))
+    svc.step()
+    assert inbox_rids(r, keys, "w1") == ["a"]
+    svc.redis_lost()
+    r.delete(keys.worker("w1"))  # its beats were lost with the outage
+    svc.step()
+    svc.step()
+    assert r.sismember(keys.workers, "w1") and r.hlen(keys.assigned("w1")) == 1
+    time.sleep(0.6)
+    svc.step()  # no beat within the TTL: dead after all
+    assert not r.sismember(keys.workers, "w1") and not r.exists(keys.assigned("w1"))
+
+
 def test_sweep_waits_for_the_lock_and_spares_a_worker_that_came_back(
     redis_url: str, redis_prefix: str, r: redis.Redis, keys: Keys
 ) -> None:
