@@ -118,8 +118,8 @@ class SchedulerService:
 
     def redis_lost(self) -> None:
         """Redis failed a call: resynchronize once it answers, and hold dead-worker sweeps for a heartbeat TTL
-        from then. A heartbeat that lapsed while Redis was away, or in a failover to a replica that never got the
-        last beats, says nothing of its worker: the worker beats again once it reconnects."""
+        from then. A heartbeat that lapsed while Redis was away, or in a failover to a replica that never got
+        the last beats, says nothing of its worker: the worker beats again once it reconnects."""
         self._needs_resync = True
         self._redis_was_away = True
 
