@@ -21,6 +21,8 @@ from kernels import reference
 
 __all__ = [
     "add_rms_norm",
+    "amx",
+    "amx_ready",
     "avx512",
     "copy_blocks",
     "cpp_layers_support",
@@ -242,6 +244,25 @@ def avx512(enabled: bool) -> Iterator[None]:
         yield
     finally:
         ops.set_avx512(was)
+
+
+@contextlib.contextmanager
+def amx(enabled: bool) -> Iterator[None]:
+    """The bfloat16 panel kernel's AMX tiles turned on (where the CPU has AMX-BF16) or off within the block;
+    off, it runs its AVX512_BF16 tiles. Outside, PAGEDSERVE_AMX=0 turns them off for the process."""
+    ops = _cpu_ops(torch.empty(0))
+    assert ops is not None, "no CPU kernels here"
+    was = ops.set_amx(enabled)
+    try:
+        yield
+    finally:
+        ops.set_amx(was)
+
+
+def amx_ready() -> bool:
+    """Whether the bfloat16 panel kernel can run on AMX tiles here (the CPU has AMX-BF16, Linux grants it)."""
+    ops = _cpu_ops(torch.empty(0))
+    return ops is not None and bool(ops.amx_bf16_ready())
 
 
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, panel: int) -> Tensor:

@@ -24,6 +24,18 @@ void tile_f32_avx512(int64_t rows, int64_t width, const float* a, int64_t lda, c
 void tile_bf16_avx512(int64_t rows, int64_t width, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ld,
                       int64_t kn, float* out, int64_t ldo, const float* init, const uint32_t* ahead);
 
+// AMX's tiles for bfloat16 panels (panel_tiles_amx.cpp): whether this CPU has them and Linux grants their state
+// to this process; whether panel_linear_bf16_rows takes them (unless PAGEDSERVE_AMX=0 when first asked);
+// set_amx turns them on (where ready) or off and returns whether they were on.
+bool amx_bf16_ready();
+bool amx_enabled();
+bool set_amx(bool enabled);
+
+// x [rows, K] (bfloat16, rows lda values apart, K a multiple of 32) times the weight packed as n / panel panels
+// of [K / 2][panel] pairs, plus bias (float32, or null): out [rows, n], each output rounded once to bfloat16.
+void panel_linear_bf16_amx(const uint16_t* x, int64_t rows, int64_t k_size, int64_t lda, const uint16_t* weight,
+                           int64_t n, int64_t panel, const float* bias, uint16_t* out);
+
 // The base address of a oneDNN tensor's packed bytes.
 const float* packed_data(const Tensor& weight);
 
@@ -39,6 +51,8 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
 constexpr int64_t kPanelMaxRows = 128;
 // The same for bfloat16 weights (benchmarks/panel_linear_bench.py --dtype bfloat16).
 constexpr int64_t kPanelMaxRowsBF16 = 128;
+// On AMX tiles (panel_tiles_amx.cpp), where oneDNN runs AMX too and is level by 64 rows.
+constexpr int64_t kPanelMaxRowsAMX = 48;
 
 // x [..., K] times a weight packed for oneDNN (gpu_worker/engine/packed_linear.py), plus bias (undefined for
 // none): through the panel kernel where the weight is float32 panels of `panel` columns and x has at most

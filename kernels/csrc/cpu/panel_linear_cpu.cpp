@@ -199,8 +199,14 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
   const int64_t rows = x.size(0);
   Tensor out = at::empty({rows, n}, x.options());
   const Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : Tensor();
-  const auto* pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   auto* to = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  if (amx_enabled() && x.size(1) % 32 == 0) {  // AMX tiles take k 32 at a time
+    panel_linear_bf16_amx(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, x.size(1),
+                          x.stride(0), reinterpret_cast<const uint16_t*>(weight), n, panel,
+                          b.defined() ? b.data_ptr<float>() : nullptr, to);
+    return out;
+  }
+  const auto* pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   // Each output rounded once, from its float32 sum (bias included), as oneDNN rounds: a panel as soon as it is
   // done, from its thread's scratch.
   const auto round_panel = [&](int64_t col, const float* sums, int64_t ld) {
@@ -237,7 +243,7 @@ Tensor packed_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   const int64_t rows = x.dim() == 0 ? 0 : x.numel() / std::max<int64_t>(k_size, 1);
   const at::ScalarType dtype = x.scalar_type();
   const bool f32 = dtype == at::kFloat && rows <= kPanelMaxRows;
-  const bool bf16 = dtype == at::kBFloat16 && rows <= kPanelMaxRowsBF16;
+  const bool bf16 = dtype == at::kBFloat16 && rows <= (amx_enabled() ? kPanelMaxRowsAMX : kPanelMaxRowsBF16);
   if (panel == 0 || rows == 0 || !(f32 || bf16)) {
     return onednn_linear(x, weight, bias);
   }
@@ -276,4 +282,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
         TORCH_FN(pagedserve_cpu_panel::packed_linear_op));
   m.def("panel_linear_vectorized() -> bool", TORCH_FN(pagedserve_cpu_panel::panel_linear_vectorized));
   m.def("panel_linear_bf16() -> bool", TORCH_FN(pagedserve_cpu_panel::panel_linear_bf16));
+  m.def("amx_bf16_ready() -> bool", TORCH_FN(pagedserve_cpu_panel::amx_bf16_ready));
+  m.def("set_amx(bool enabled) -> bool", TORCH_FN(pagedserve_cpu_panel::set_amx));
 }

@@ -126,10 +126,49 @@ def test_the_bf16_panel_kernel_rounds_float32_sums_once(num_rows: int, bias: boo
 def test_a_bf16_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool) -> None:
     torch.manual_seed(2)
     packed = bf16_panelled(nn.Linear(1536, 576, bias=bias))
-    x = torch.randn(128, 1536, dtype=torch.bfloat16)
+    # 48 rows: within the panel kernel's rows on AMX tiles too (oneDNN's sums beyond are in another order).
+    x = torch.randn(48, 1536, dtype=torch.bfloat16)
     together = packed(x)
-    for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(60, 73), slice(0, 128, 2)):
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(15, 34), slice(0, 48, 2)):
         assert torch.equal(packed(x[rows]), together[rows]), rows
+
+
+def amx_panelled(linear: nn.Linear) -> PackedLinear:
+    if not kernels.amx_ready():
+        pytest.skip("no AMX-BF16 here")
+    return bf16_panelled(linear)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_rows", [1, 15, 16, 17, 33, 48, 100])  # tiles of 16 rows: whole, partial, both
+def test_the_amx_tiles_agree_with_the_avx512_bf16_tiles(num_rows: int, bias: bool) -> None:
+    """Both round each output's float32 sum once; they add the pairs in another order, so they differ only
+    where that crosses a rounding boundary, by one bf16 step."""
+    torch.manual_seed(num_rows)
+    packed = amx_panelled(nn.Linear(1536, 1024, bias=bias))
+    x = torch.randn(num_rows, 1536, dtype=torch.bfloat16)
+    with kernels.amx(True):
+        amx = packed(x)
+    with kernels.amx(False):
+        dot = packed(x)
+    step = dot.float().abs().clamp(min=2**-100) * 2**-7
+    assert ((amx.float() - dot.float()).abs() <= step + 1e-6).all()
+    assert (amx != dot).float().mean() < 0.05
+    # A row of zeros multiplies to zeros (plus bias): the partial tile's padding does not leak into real rows.
+    x[-1] = 0
+    with kernels.amx(True):
+        last = packed(x)[-1]
+    expected = packed.bias.to(torch.bfloat16) if bias else torch.zeros(1024, dtype=torch.bfloat16)
+    assert torch.equal(last, expected)
+
+
+def test_the_amx_tiles_read_rows_with_a_stride() -> None:
+    torch.manual_seed(4)
+    packed = amx_panelled(nn.Linear(576, 960, bias=False))
+    wide = torch.randn(40, 1152, dtype=torch.bfloat16)
+    x = wide[:, :576]  # rows 1152 values apart
+    with kernels.amx(True):
+        assert torch.equal(packed(x), packed(x.contiguous()))
 
 
 def test_the_avx512_tiles_give_the_avx2_tiles_bits() -> None:
