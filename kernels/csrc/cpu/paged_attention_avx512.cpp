@@ -4,10 +4,11 @@
 // where the CPU has them (paged_attention_cpu.cpp).
 //
 // Both passes over the cache go a block at a time, and within a block a KV head at a time: its rows come from
-// memory for the first of its query heads and from L1 for the others, and up to four query heads share each
-// row's loads. A score is the dot product of the query and the K row, 16 lanes of partial sums over the head's
-// 16-float chunks, then added across the lanes; the weighted sum adds each V row, times each head's weight,
-// into float32 accumulators. bfloat16 rows are widened to float as they load.
+// memory for the first of its query heads and from L1 for the others. A score is the dot product of the query
+// and the K row, 16 lanes of partial sums over the head's 16-float chunks; 16 rows' partial sums are added
+// across their lanes together, in one transposing tree, into one vector of 16 scores. The weighted sum adds each
+// V row, times each head's weight, into float32 accumulators, up to four query heads sharing each row's loads.
+// bfloat16 rows are widened to float as they load.
 #include <cstdint>
 #include <type_traits>
 
@@ -48,21 +49,66 @@ inline void load_heads(__m512 (&to)[HG][NC], const float* from) {
   }
 }
 
-// HG query heads at a time over a block's rows: each K row is loaded once for all of them.
+// The lane sums of four vectors: in each 128-bit lane L, element i is the sum of v_i's four elements in lane L.
+inline __m512 quad_sums(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  const __m512 w01 = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+  const __m512 w23 = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+  return _mm512_add_ps(_mm512_shuffle_ps(w01, w23, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(w01, w23, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// Sixteen vectors' sums in one: element 4 j + i is the sum of vector 4 j + i, from x_j = quad_sums of vectors
+// 4 j .. 4 j + 3 (their lanes' sums, added across the four lanes here).
+inline __m512 lane_sums(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
+  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(x2, x3, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// A query's products with a K row, added chunk by chunk: 16 partial sums.
+template <typename T, int NC>
+inline __m512 row_products(const __m512 (&q)[NC], const T* row) {
+  __m512 sum = _mm512_mul_ps(q[0], load(row));
+#pragma GCC unroll 8
+  for (int c = 1; c < NC; ++c) sum = _mm512_fmadd_ps(q[c], load(row + c * 16), sum);
+  return sum;
+}
+
+// HG query heads over a block's rows, 16 rows at a time: each row's 16 partial sums, then the 16 rows' sums in
+// one vector (lane_sums), not one horizontal sum a row. The rows come from memory for the first head and from
+// L1 for the others.
 template <typename T, int NC, int HG>
 void score_rows(const float* q, const T* block, int64_t rows, int64_t c_token, float scale, float* out,
                 int64_t stride) {
-  __m512 qh[HG][NC];
-  load_heads(qh, q);
-  for (int64_t p = 0; p < rows; ++p) {
-    __m512 k[NC];
-    load_row(k, block + p * c_token);
-#pragma GCC unroll 4
-    for (int h = 0; h < HG; ++h) {
-      __m512 sum = _mm512_mul_ps(qh[h][0], k[0]);
+  const __m512 by = _mm512_set1_ps(scale);
+  for (int h = 0; h < HG; ++h) {
+    __m512 qh[NC];
 #pragma GCC unroll 8
-      for (int c = 1; c < NC; ++c) sum = _mm512_fmadd_ps(qh[h][c], k[c], sum);
-      out[h * stride + p] = _mm512_reduce_add_ps(sum) * scale;
+    for (int c = 0; c < NC; ++c) qh[c] = load(q + (h * NC + c) * 16);
+    for (int64_t p0 = 0; p0 < rows; p0 += 16) {
+      const int64_t n = rows - p0 < 16 ? rows - p0 : 16;
+      const T* first = block + p0 * c_token;
+      __m512 x[4];
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const int64_t p = 4 * g + i;
+          v[i] = p < n ? row_products<T, NC>(qh, first + p * c_token) : _mm512_setzero_ps();
+        }
+        x[g] = quad_sums(v[0], v[1], v[2], v[3]);
+      }
+      const __m512 scores = _mm512_mul_ps(lane_sums(x[0], x[1], x[2], x[3]), by);
+      float* o = out + h * stride + p0;
+      if (n == 16) {
+        _mm512_storeu_ps(o, scores);
+      } else {
+        _mm512_mask_storeu_ps(o, static_cast<__mmask16>((1u << n) - 1), scores);
+      }
     }
   }
 }
