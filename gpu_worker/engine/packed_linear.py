@@ -10,7 +10,8 @@ oneDNN's kernels for a few rows still leave part of the read bandwidth unused. W
 weight out as panels of P output columns ([N / P][K][P], P = 64 on AVX2 and AVX-512 CPUs), pagedserve's panel
 kernel (kernels/csrc/cpu/panel_linear_cpu.cpp) reads those same bytes for steps of up to 128 rows: no second
 copy. A bfloat16 weight, on a CPU with AVX512_BF16, is laid out as panels of pairs ([N / P][K / 2][P][2]),
-which the kernel's bfloat16 tiles read in place the same way.
+which the kernel's bfloat16 tiles read in place the same way; on a CPU with AMX-BF16 those panels are what its
+tiles multiply, and the kernel runs on them (kernels/csrc/cpu/panel_tiles_amx.cpp).
 Whether a weight is so laid out is not asked of oneDNN but checked, once, byte for byte against the plain
 weight (panel_width); any other layout stays with oneDNN alone.
 

@@ -10,7 +10,8 @@
 // whatever the number of rows. Each output is one float sum over k in order, so a row's result does not
 // depend on how many rows share the call or on the thread count. The register tiles are AVX2 here, AVX-512
 // where the CPU has it (panel_tiles_avx512.cpp, the same sums); bfloat16 weights, laid out by oneDNN in pairs
-// of k, go through AVX512_BF16's pair dot product where the CPU has it, and through oneDNN elsewhere.
+// of k, go through AMX's tiles where the CPU has AMX-BF16 (panel_tiles_amx.cpp, up to kPanelMaxRowsAMX rows),
+// else through AVX512_BF16's pair dot product where the CPU has it, and through oneDNN elsewhere.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -200,7 +201,7 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
   Tensor out = at::empty({rows, n}, x.options());
   const Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : Tensor();
   auto* to = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  if (amx_enabled() && x.size(1) % 32 == 0) {  // AMX tiles take k 32 at a time
+  if (amx_enabled() && rows >= kAmxMinRows && x.size(1) % 32 == 0) {  // AMX tiles take k 32 at a time
     panel_linear_bf16_amx(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, x.size(1),
                           x.stride(0), reinterpret_cast<const uint16_t*>(weight), n, panel,
                           b.defined() ? b.data_ptr<float>() : nullptr, to);
