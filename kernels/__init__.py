@@ -234,29 +234,27 @@ def panel_kernel_ready(dtype: torch.dtype = torch.float32) -> bool:
 
 
 @contextlib.contextmanager
-def avx512(enabled: bool) -> Iterator[None]:
+def _switched(setter: str, enabled: bool) -> Iterator[None]:
+    """A run-time switch of the CPU kernels (the op `setter` returns the old state) set within the block."""
+    ops = _cpu_ops(torch.empty(0))
+    assert ops is not None, "no CPU kernels here"
+    was = getattr(ops, setter)(enabled)
+    try:
+        yield
+    finally:
+        getattr(ops, setter)(was)
+
+
+def avx512(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """The CPU kernels' AVX-512 loops turned on (where the CPU has them) or off within the block; off, they
     run their AVX2 loops. Outside, PAGEDSERVE_AVX512=0 in the environment turns them off for the process."""
-    ops = _cpu_ops(torch.empty(0))
-    assert ops is not None, "no CPU kernels here"
-    was = ops.set_avx512(enabled)
-    try:
-        yield
-    finally:
-        ops.set_avx512(was)
+    return _switched("set_avx512", enabled)
 
 
-@contextlib.contextmanager
-def amx(enabled: bool) -> Iterator[None]:
+def amx(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """The bfloat16 panel kernel's AMX tiles turned on (where the CPU has AMX-BF16) or off within the block;
     off, it runs its AVX512_BF16 tiles. Outside, PAGEDSERVE_AMX=0 turns them off for the process."""
-    ops = _cpu_ops(torch.empty(0))
-    assert ops is not None, "no CPU kernels here"
-    was = ops.set_amx(enabled)
-    try:
-        yield
-    finally:
-        ops.set_amx(was)
+    return _switched("set_amx", enabled)
 
 
 def amx_ready() -> bool:
