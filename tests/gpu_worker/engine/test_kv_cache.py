@@ -1,0 +1,44 @@
+"""The paged KV pool's host memory."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.engine.kv_cache import HUGE_PAGE, KVCache, advise_huge_pages
+
+
+def huge_page_advised(address: int) -> bool:
+    """Whether the mapping holding `address` carries madvise(MADV_HUGEPAGE): "hg" in its VmFlags."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("VmFlags:"):
+            return "hg" in line.split()[1:]
+    return False
+
+
+def test_the_pool_starts_as_zeros_in_every_layer() -> None:
+    cache = KVCache(2, 64, 16, 3, 64, torch.float32, torch.device("cpu"))
+    assert cache.kv_cache.shape == (2, 2, 64, 16, 3, 64)
+    assert not cache.kv_cache.any()
+    k, v = cache.layers[1]
+    assert k.data_ptr() == cache.kv_cache[1, 0].data_ptr() and v.shape == (64, 16, 3, 64)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_the_pool_asks_for_huge_pages_before_it_is_touched() -> None:
+    # 40 MiB: past glibc's largest mmap threshold, so a mapping of its own, never memory advised before.
+    plain = torch.empty(20 * HUGE_PAGE // 4, dtype=torch.float32)
+    assert not huge_page_advised(plain.data_ptr() + HUGE_PAGE)  # the negative control
+    assert not advise_huge_pages(plain[:100])  # no whole 2 MiB page inside: nothing to ask
+    cache = KVCache(1, 2048, 16, 4, 64, torch.float32, torch.device("cpu"))  # 64 MiB of K and V
+    assert huge_page_advised(cache.kv_cache.data_ptr() + HUGE_PAGE)
+    assert not cache.kv_cache.any()
