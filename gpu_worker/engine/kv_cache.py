@@ -20,8 +20,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     "always" or "madvise"); whether the advice was taken. Only pages not yet touched are affected.
 
     A decode step reads K and V from blocks that lie anywhere in the pool: with 4 KiB pages nearly every block
-    misses the TLB. Huge pages took decode attention at 64 x 256 tokens 4% (bf16) to 8% (fp32) down, a single
-    2048-token context up to 20% (a 1 GiB pool on a 2-core Xeon, paired runs).
+    misses the TLB (docs/kernels.md).
     """
     if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
         return False

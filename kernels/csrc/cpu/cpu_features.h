@@ -20,11 +20,14 @@ inline bool cpu_has_avx512_bf16() { return false; }
 
 // Whether the kernels take their AVX-512 loops: where the CPU has AVX512F, unless PAGEDSERVE_AVX512=0 when
 // first asked (to compare with the AVX2 loops on one machine); set_avx512 switches it (the tests run both).
+// Whether the environment leaves a switch on: anything but `name`=0.
+inline bool env_allows(const char* name) {
+  const char* flag = std::getenv(name);
+  return !(flag && std::strcmp(flag, "0") == 0);
+}
+
 inline std::atomic<bool>& avx512_switch() {
-  static std::atomic<bool> on{[] {
-    const char* flag = std::getenv("PAGEDSERVE_AVX512");
-    return cpu_has_avx512() && !(flag && std::strcmp(flag, "0") == 0);
-  }()};
+  static std::atomic<bool> on{cpu_has_avx512() && env_allows("PAGEDSERVE_AVX512")};
   return on;
 }
 

@@ -19,10 +19,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "cpu_features.h"
 #include "panel_linear.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && __GNUC__ >= 11
@@ -51,16 +51,13 @@ bool amx_granted() {
 }
 
 std::atomic<bool>& amx_switch() {
-  static std::atomic<bool> on{[] {
-    const char* flag = std::getenv("PAGEDSERVE_AMX");
-    return amx_granted() && !(flag && std::strcmp(flag, "0") == 0);
-  }()};
+  static std::atomic<bool> on{amx_granted() && pagedserve_cpu_features::env_allows("PAGEDSERVE_AMX")};
   return on;
 }
 
 constexpr int64_t kTile = 16;        // rows of a tile, and columns of a weights' or sums' tile
 constexpr int64_t kPairsStep = 16;   // pairs of k a step: a tile row of 64 bytes
-constexpr int64_t kAhead = 12;        // steps the weights are prefetched ahead
+constexpr int64_t kAhead = 12;       // steps the weights are prefetched ahead
 
 // Tile registers: sums 0-3 (row tile r, column tile c at 2 r + c), rows 4-5, weights 6-7.
 struct alignas(64) TileConfig {
