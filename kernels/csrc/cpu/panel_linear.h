@@ -17,12 +17,13 @@ bool panel_linear_vectorized();
 bool panel_linear_bf16();
 
 // AVX-512 register tiles: rows (at most 6) x width (16 to 64) outputs over kn steps of k (panel_tiles_avx512.cpp).
-// out [rows][ldo] gets init (the bias, or zeros) or its own values plus the sums over the steps; ahead: a line a
-// step to prefetch, or null. The bfloat16 tile's a and b are pairs of bfloat16, and kn, lda and ld count pairs.
+// out [rows][ldo] gets init (the bias, or zeros) or its own values plus the sums over the steps; ahead: lines to
+// prefetch, one per register of the width every `every` steps, or null. The bfloat16 tile's a and b are pairs of bfloat16, and kn, lda and ld count pairs.
 void tile_f32_avx512(int64_t rows, int64_t width, const float* a, int64_t lda, const float* b, int64_t ld,
-                     int64_t kn, float* out, int64_t ldo, const float* init, const float* ahead);
+                     int64_t kn, float* out, int64_t ldo, const float* init, const float* ahead, int64_t every);
 void tile_bf16_avx512(int64_t rows, int64_t width, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ld,
-                      int64_t kn, float* out, int64_t ldo, const float* init, const uint32_t* ahead);
+                      int64_t kn, float* out, int64_t ldo, const float* init, const uint32_t* ahead,
+                      int64_t every);
 
 // AMX's tiles for bfloat16 panels (panel_tiles_amx.cpp): whether this CPU has them and Linux grants their state
 // to this process; whether panel_linear_bf16_rows takes them (unless PAGEDSERVE_AMX=0 when first asked);
@@ -52,7 +53,7 @@ constexpr int64_t kPanelMaxRows = 128;
 // The same for bfloat16 weights (benchmarks/panel_linear_bench.py --dtype bfloat16).
 constexpr int64_t kPanelMaxRowsBF16 = 128;
 // On AMX tiles (panel_tiles_amx.cpp), where oneDNN runs AMX too and is level by 64 rows.
-constexpr int64_t kPanelMaxRowsAMX = 48;
+constexpr int64_t kPanelMaxRowsAMX = 32;
 // Below this many rows the AVX512_BF16 tiles stream the weights a little faster than AMX's tile loads, and
 // run instead on an AMX CPU too.
 constexpr int64_t kAmxMinRows = 5;

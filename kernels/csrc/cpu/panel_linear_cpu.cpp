@@ -44,14 +44,14 @@ using pagedserve_cpu_features::avx512_enabled;
 
 constexpr int64_t kStrip = 16;       // output columns a tile computes: two AVX2 registers of floats
 constexpr int64_t kTileRows = 6;     // rows a tile computes: 12 accumulators, the rest of the registers free
-constexpr int64_t kBlockK = 128;     // rows of a panel kept in L1 while every row tile uses them
+constexpr int64_t kBlockK = 64;  // rows of a panel kept in L1 while every row tile uses them
 
 #if defined(__AVX2__) && defined(__FMA__)
 
 // rows x 16 outputs: out[r][j] (+)= sum over k of a[r][k] * b[k][j], b's rows ld floats apart.
 template <int R>
 inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out, int64_t ldo,
-                 const float* init, const float* ahead) {
+                 const float* init, const float* ahead, int64_t every) {
   __m256 lo[R], hi[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -59,9 +59,14 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_
     lo[r] = _mm256_loadu_ps(from);
     hi[r] = _mm256_loadu_ps(from + 8);
   }
+  int64_t wait = 0;
   for (int64_t k = 0; k < kn; ++k) {
     const float* bk = b + k * ld;
-    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kStrip), _MM_HINT_T0);
+    if (ahead && wait-- == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+      ahead += kStrip;
+      wait = every - 1;
+    }
     const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps(bk + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -81,7 +86,7 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_
 
 template <int R>
 inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out, int64_t ldo,
-                 const float* init, const float*) {
+                 const float* init, const float*, int64_t) {
   float acc[R][kStrip];
   for (int r = 0; r < R; ++r) {
     for (int64_t j = 0; j < kStrip; ++j) acc[r][j] = init ? init[j] : out[r * ldo + j];
@@ -99,14 +104,14 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_
 #endif
 
 void tile_rows(int64_t rows, int64_t, const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn,
-               float* out, int64_t ldo, const float* init, const float* ahead) {
+               float* out, int64_t ldo, const float* init, const float* ahead, int64_t every) {
   switch (rows) {
-    case 1: return tile<1>(a, lda, b, ld, kn, out, ldo, init, ahead);
-    case 2: return tile<2>(a, lda, b, ld, kn, out, ldo, init, ahead);
-    case 3: return tile<3>(a, lda, b, ld, kn, out, ldo, init, ahead);
-    case 4: return tile<4>(a, lda, b, ld, kn, out, ldo, init, ahead);
-    case 5: return tile<5>(a, lda, b, ld, kn, out, ldo, init, ahead);
-    default: return tile<6>(a, lda, b, ld, kn, out, ldo, init, ahead);
+    case 1: return tile<1>(a, lda, b, ld, kn, out, ldo, init, ahead, every);
+    case 2: return tile<2>(a, lda, b, ld, kn, out, ldo, init, ahead, every);
+    case 3: return tile<3>(a, lda, b, ld, kn, out, ldo, init, ahead, every);
+    case 4: return tile<4>(a, lda, b, ld, kn, out, ldo, init, ahead, every);
+    case 5: return tile<5>(a, lda, b, ld, kn, out, ldo, init, ahead, every);
+    default: return tile<6>(a, lda, b, ld, kn, out, ldo, init, ahead, every);
   }
 }
 
@@ -126,6 +131,7 @@ template <typename T, typename Tile, typename Finish>
 void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T* weight, int64_t n, int64_t k_size,
                      int64_t panel, int64_t strip, const float* bias, Tile tile, Finish finish) {
   static const float zeros[64] = {};
+  const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
   // A panel is one unit of work: each block of it, [kBlockK][panel], is read from memory in one contiguous run
   // by the first strip's first tile, and found in L1 by the others.
   at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
@@ -136,15 +142,19 @@ void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T*
       float* sums = out ? out + unit * panel : scratch.data();
       for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
         const int64_t kn = std::min(kBlockK, k_size - k0);
+        const int64_t share = (kn + row_tiles - 1) / row_tiles * strip;  // a row tile's prefetched values
         for (int64_t s = 0; s < panel / strip; ++s) {
           const int64_t col = unit * panel + s * strip;
           const T* bs = base + k0 * panel + s * strip;
           const float* init = k0 > 0 ? nullptr : (bias ? bias + col : zeros);
+          // The strip's share of the next block, kn * strip values, is prefetched spread over its row tiles,
+          // each taking every row_tiles-th step: memory streams while the tiles multiply.
+          const T* ahead = base + (k0 + kBlockK) * panel + s * kn * strip;
           for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
             const int64_t r = std::min(kTileRows, rows - r0);
-            // The first row tile of each strip prefetches its share of the next block, a line a step.
-            const T* ahead = r0 == 0 ? base + (k0 + kBlockK) * panel + s * kn * strip : nullptr;
-            tile(r, strip, a + r0 * lda + k0, lda, bs, panel, kn, sums + r0 * ld + s * strip, ld, init, ahead);
+            tile(r, strip, a + r0 * lda + k0, lda, bs, panel, kn, sums + r0 * ld + s * strip, ld, init, ahead,
+                 row_tiles);
+            ahead += share;
           }
         }
       }
