@@ -173,6 +173,23 @@ def test_cpu_kernel_bench_smoke(tmp_path: Path) -> None:
     assert [r["rows"] for r in results["lm_head"]] == [1, 4]
 
 
+def test_cpu_kernel_bench_takes_blocks_from_the_engines_pool_in_bf16(tmp_path: Path) -> None:
+    """--pool-gib: the batch's blocks drawn from a KVCache of that size (the kernel checked against its twin
+    inside, in bf16 here); a pool too small for the batch is refused."""
+    out = tmp_path / "cpu.json"
+    results = cpu_kernel_bench.main(
+        ["--batches", "3", "--contexts", "40", "--layers", "2", "--head-rows", "1", "--vocab", "512",
+         "--repeats", "1", "--dtype", "bfloat16", "--pool-gib", "0.01", "--json", str(out)]
+    )  # fmt: skip
+    assert results["args"]["pool_gib"] == 0.01 and results["args"]["dtype"] == "bfloat16"
+    assert results["attention"][0]["kernel_ms"] > 0
+    with pytest.raises(AssertionError, match="holds"):
+        cpu_kernel_bench.main(
+            ["--batches", "64", "--contexts", "2048", "--layers", "2", "--head-rows", "1", "--vocab", "512",
+             "--repeats", "1", "--pool-gib", "0.01", "--json", str(out)]
+        )  # fmt: skip
+
+
 def test_routing_costs_smoke(redis_url: str, tmp_path: Path) -> None:
     results = routing_costs.main(
         ["--per-step", "1", "4", "--steps", "20", "--workers", "5", "--requests", "200", "--prefixes", "20",
