@@ -9,7 +9,13 @@ from collections.abc import Sequence as Seq
 import pytest
 import torch
 
-from gpu_worker.engine.sampler import Sampler, SamplerOutput, _truncate_top_k_top_p, draw_seed
+from gpu_worker.engine.sampler import (
+    Sampler,
+    SamplerOutput,
+    _truncate_top_k_top_p,
+    draw_seed,
+    first_max_ids,
+)
 from gpu_worker.engine.sampling_params import SamplingParams
 from gpu_worker.engine.sequence import Sequence
 
@@ -650,3 +656,17 @@ def test_top_p_one_row_untruncated_whatever_its_batch() -> None:
     logits = rand_logits(2, seed=0, scale=4.0, vocab=128_256)
     out = _truncate_top_k_top_p(logits, [0, 0], [1.0, 0.9])
     assert not torch.isinf(out[0]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_max_ids_picks_argmaxs_index_on_ties_nan_and_inf(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    rows = torch.randint(0, 4, (40, 49152)).to(dtype)  # every row full of ties
+    rows[1, [7, 300]] = float("nan")  # NaN wins, the first one
+    rows[2] = float("-inf")
+    rows[3, [5, 40000]] = float("inf")
+    rows[4, -1] = 9  # the last column alone
+    ids = first_max_ids(rows)
+    assert torch.equal(ids, rows.argmax(dim=-1))
+    assert ids[1:5].tolist() == [7, 0, 5, 49151]
+    assert rows[0, ids[0]] == 3 and (rows[0, : ids[0]] < 3).all()  # the first of the row's ties
