@@ -53,7 +53,7 @@ constexpr int64_t kPanelMaxRows = 128;
 // The same for bfloat16 weights (benchmarks/panel_linear_bench.py --dtype bfloat16).
 constexpr int64_t kPanelMaxRowsBF16 = 128;
 // On AMX tiles (panel_tiles_amx.cpp), where oneDNN runs AMX too and is level by 64 rows.
-constexpr int64_t kPanelMaxRowsAMX = 128;
+constexpr int64_t kPanelMaxRowsAMX = 32;
 // Below this many rows the AVX512_BF16 tiles stream the weights a little faster than AMX's tile loads, and
 // run instead on an AMX CPU too.
 constexpr int64_t kAmxMinRows = 5;

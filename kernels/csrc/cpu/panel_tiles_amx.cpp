@@ -71,20 +71,20 @@ struct alignas(64) TileConfig {
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,sse")
 
-// R row tiles by C column tiles of sums over k_pairs pairs of k: a rows' tile from `a` (rows lda bytes apart),
-// a weights' tile from `b` (panel rows ldb bytes apart, column tile c at 64 c bytes), stored to `out` (floats,
-// ldo bytes apart).
+// R row tiles by C column tiles of sums over k_pairs pairs of k: row tile r's rows from a[r] (rows lda[r] bytes
+// apart), a weights' tile from `b` (panel rows ldb bytes apart, column tile c at 64 c bytes), stored to `out`
+// (floats, ldo bytes apart).
 template <int R, int C>
-void tiles(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k_pairs, float* out,
-           int64_t ldo) {
+void tiles(const uint16_t* const (&a)[2], const int64_t (&lda)[2], const uint16_t* b, int64_t ldb, int64_t k_pairs,
+           float* out, int64_t ldo) {
   _tile_zero(0);
   if (C > 1) _tile_zero(1);
   if (R > 1) _tile_zero(2);
   if (R > 1 && C > 1) _tile_zero(3);
-  const auto* wa = reinterpret_cast<const char*>(a);
+  const auto* wa0 = reinterpret_cast<const char*>(a[0]);
+  const auto* wa1 = reinterpret_cast<const char*>(a[1]);
   const auto* wb = reinterpret_cast<const char*>(b);
   for (int64_t kp = 0; kp < k_pairs; kp += kPairsStep) {
-    const char* ak = wa + kp * 4;  // two bfloat16 a pair
     const char* bk = wb + kp * ldb;
     // The weights' tiles kAhead steps on, a line at a time: a tile load waits on memory otherwise.
     const char* next = bk + kAhead * kPairsStep * ldb;
@@ -93,8 +93,8 @@ void tiles(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64
 #pragma GCC unroll 2
       for (int c = 0; c < C; ++c) _mm_prefetch(next + row * ldb + 64 * c, _MM_HINT_T0);
     }
-    _tile_loadd(4, ak, lda);
-    if (R > 1) _tile_loadd(5, ak + kTile * lda, lda);
+    _tile_loadd(4, wa0 + kp * 4, lda[0]);  // two bfloat16 a pair
+    if (R > 1) _tile_loadd(5, wa1 + kp * 4, lda[1]);
     _tile_loadd(6, bk, ldb);
     if (C > 1) _tile_loadd(7, bk + 64, ldb);
     _tile_dpbf16ps(0, 4, 6);
@@ -182,18 +182,21 @@ void panel_linear_bf16_amx(const uint16_t* x, int64_t rows, int64_t k_size, int6
     for (int64_t unit = begin; unit < end; ++unit) {
       const uint16_t* base = weight + unit * panel * k_size;
       for (int64_t r0 = 0; r0 < padded;) {
-        // Two row tiles where both lie alike (in x, or in the tail), else one.
-        int64_t lda0 = 0;
-        const uint16_t* a0 = row_group(r0, &lda0);
-        const bool two = r0 + kTile < padded && (r0 + kTile < full) == (r0 < full);
+        // Two row tiles a pass where two are left (each in x or in the tail: 17 rows as 16 in place and 1
+        // copied, in one pass over the weights), else one.
+        const uint16_t* a[2] = {};
+        int64_t lda_of[2] = {};
+        a[0] = row_group(r0, &lda_of[0]);
+        const bool two = r0 + kTile < padded;
+        if (two) a[1] = row_group(r0 + kTile, &lda_of[1]);
         for (int64_t c = 0; c < col_tiles; c += 2) {
           const uint16_t* b = base + c * kTile * 2;
           float* o = sums.data() + r0 * panel + c * kTile;
           const bool pair = c + 1 < col_tiles;
-          if (two && pair) tiles<2, 2>(a0, lda0, b, ldb, k_pairs, o, ldo);
-          else if (two) tiles<2, 1>(a0, lda0, b, ldb, k_pairs, o, ldo);
-          else if (pair) tiles<1, 2>(a0, lda0, b, ldb, k_pairs, o, ldo);
-          else tiles<1, 1>(a0, lda0, b, ldb, k_pairs, o, ldo);
+          if (two && pair) tiles<2, 2>(a, lda_of, b, ldb, k_pairs, o, ldo);
+          else if (two) tiles<2, 1>(a, lda_of, b, ldb, k_pairs, o, ldo);
+          else if (pair) tiles<1, 2>(a, lda_of, b, ldb, k_pairs, o, ldo);
+          else tiles<1, 1>(a, lda_of, b, ldb, k_pairs, o, ldo);
         }
         r0 += two ? 2 * kTile : kTile;
       }
