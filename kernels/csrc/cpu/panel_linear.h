@@ -18,7 +18,8 @@ bool panel_linear_bf16();
 
 // AVX-512 register tiles: rows (at most 6) x width (16 to 64) outputs over kn steps of k (panel_tiles_avx512.cpp).
 // out [rows][ldo] gets init (the bias, or zeros) or its own values plus the sums over the steps; ahead: lines to
-// prefetch, one per register of the width every `every` steps, or null. The bfloat16 tile's a and b are pairs of bfloat16, and kn, lda and ld count pairs.
+// prefetch, one per register of the width every `every` steps, or null. The bfloat16 tile's a and b are pairs of
+// bfloat16, and kn, lda and ld count pairs.
 void tile_f32_avx512(int64_t rows, int64_t width, const float* a, int64_t lda, const float* b, int64_t ld,
                      int64_t kn, float* out, int64_t ldo, const float* init, const float* ahead, int64_t every);
 void tile_bf16_avx512(int64_t rows, int64_t width, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ld,
@@ -52,7 +53,7 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
 constexpr int64_t kPanelMaxRows = 128;
 // The same for bfloat16 weights (benchmarks/panel_linear_bench.py --dtype bfloat16).
 constexpr int64_t kPanelMaxRowsBF16 = 128;
-// On AMX tiles (panel_tiles_amx.cpp), where oneDNN runs AMX too and is level by 64 rows.
+// On AMX tiles (panel_tiles_amx.cpp), where oneDNN runs AMX too and is ahead from 36 rows.
 constexpr int64_t kPanelMaxRowsAMX = 32;
 // Below this many rows the AVX512_BF16 tiles stream the weights a little faster than AMX's tile loads, and
 // run instead on an AMX CPU too.

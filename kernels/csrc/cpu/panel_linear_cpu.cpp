@@ -44,7 +44,7 @@ using pagedserve_cpu_features::avx512_enabled;
 
 constexpr int64_t kStrip = 16;       // output columns a tile computes: two AVX2 registers of floats
 constexpr int64_t kTileRows = 6;     // rows a tile computes: 12 accumulators, the rest of the registers free
-constexpr int64_t kBlockK = 64;  // rows of a panel kept in L1 while every row tile uses them
+constexpr int64_t kBlockK = 64;      // rows of a panel kept in L1 (with the next) while every row tile uses them
 
 #if defined(__AVX2__) && defined(__FMA__)
 
@@ -132,8 +132,8 @@ void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T*
                      int64_t panel, int64_t strip, const float* bias, Tile tile, Finish finish) {
   static const float zeros[64] = {};
   const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
-  // A panel is one unit of work: each block of it, [kBlockK][panel], is read from memory in one contiguous run
-  // by the first strip's first tile, and found in L1 by the others.
+  // A panel is one unit of work: each block of it, [kBlockK][panel], is prefetched into L1 while the block
+  // before it is multiplied, and found there by every row tile.
   at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(out ? 0 : rows * panel);
     const int64_t ld = out ? n : panel;

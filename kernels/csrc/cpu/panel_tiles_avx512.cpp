@@ -42,7 +42,7 @@ struct Pairs {  // a uint32 holds two bfloat16, at k and k + 1
 
 // The lines prefetched into L1 are a block ahead. A core has few L1 fill buffers, which caps its stream below
 // the memory's bandwidth when few rows leave little work per line; the lines this far past them are asked of
-// L2, which keeps more in flight (benchmarks/panel_linear_bench.py: 8 to 16 rows ~10% faster).
+// L2, which keeps more in flight (benchmarks/panel_linear_bench.py: 8 to 16 rows 10 to 15% faster).
 constexpr int64_t kFar = 64 * 1024;  // bytes
 
 template <typename T>
