@@ -55,9 +55,6 @@ constexpr int64_t kPanelMaxRows = 128;
 constexpr int64_t kPanelMaxRowsBF16 = 128;
 // On AMX tiles (panel_tiles_amx.cpp), where oneDNN runs AMX too and is ahead from 36 rows.
 constexpr int64_t kPanelMaxRowsAMX = 32;
-// Below this many rows the AVX512_BF16 tiles stream the weights a little faster than AMX's tile loads, and
-// run instead on an AMX CPU too.
-constexpr int64_t kAmxMinRows = 5;
 
 // x [..., K] times a weight packed for oneDNN (gpu_worker/engine/packed_linear.py), plus bias (undefined for
 // none): through the panel kernel where the weight is float32 panels of `panel` columns and x has at most

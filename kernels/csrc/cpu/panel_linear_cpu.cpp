@@ -211,7 +211,7 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
   Tensor out = at::empty({rows, n}, x.options());
   const Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : Tensor();
   auto* to = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  if (amx_enabled() && rows >= kAmxMinRows && x.size(1) % 32 == 0) {  // AMX tiles take k 32 at a time
+  if (amx_enabled() && x.size(1) % 32 == 0) {  // AMX tiles take k 32 at a time
     panel_linear_bf16_amx(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, x.size(1),
                           x.stride(0), reinterpret_cast<const uint16_t*>(weight), n, panel,
                           b.defined() ? b.data_ptr<float>() : nullptr, to);

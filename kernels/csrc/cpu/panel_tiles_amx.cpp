@@ -85,7 +85,8 @@ void tiles(const uint16_t* const (&a)[2], const int64_t (&lda)[2], const uint16_
   const auto* wb = reinterpret_cast<const char*>(b);
   for (int64_t kp = 0; kp < k_pairs; kp += kPairsStep) {
     // No software prefetch: a panel is one contiguous run, which the hardware prefetcher follows; prefetching
-    // each line 12 steps ahead into L1 made 5 to 32 rows 12-15% slower (benchmarks/panel_linear_bench.py).
+    // each line 12 steps ahead into L1 made 5 to 32 rows 12-15% slower (benchmarks/panel_linear_bench.py), and
+    // 1 to 4 rows no faster than the AVX512_BF16 tiles, which now they match or pass.
     const char* bk = wb + kp * ldb;
     _tile_loadd(4, wa0 + kp * 4, lda[0]);  // two bfloat16 a pair
     if (R > 1) _tile_loadd(5, wa1 + kp * 4, lda[1]);
