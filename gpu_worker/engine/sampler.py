@@ -38,8 +38,8 @@ def draw_seed(seed: int, position: int) -> int:
 
 
 def first_max_ids(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's index of its first largest value, as argmax gives it; torch.max's reduction finds it 2.5x
-    faster on the CPU ([64, 49152] float32: 0.8 ms against 2.1 ms)."""
+    """Each row's index of its first largest value, as argmax gives it; torch.max's reduction finds it faster
+    on the CPU."""
     return rows.max(dim=-1).indices
 
 
