@@ -46,6 +46,9 @@ def test_service_process_assigns_and_stops_on_sigterm(
         while not inbox_rids(r, keys, "w1") and time.monotonic() < deadline:
             time.sleep(0.05)
         assert inbox_rids(r, keys, "w1") == ["over-the-wire"]
+        # The stats are written after the assignment they count: awaited, not read at once.
+        while not r.exists(keys.scheduler_stats) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert r.exists(keys.scheduler_stats)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=10)
