@@ -3,8 +3,9 @@
 // every x86-64 build with GCC (the instructions are enabled for this file's loops alone) and chosen at run time
 // where the CPU has them (paged_attention_cpu.cpp).
 //
-// Both passes over the cache go a block at a time, the next block prefetched, and within a block a KV head at a
-// time: its rows come from L2 or memory for the first of its query heads and from L1 for the others. A score is
+// Both passes over the cache go a block at a time, the next block's lines prefetched a few at a time as the rows
+// are worked on, and within a block a KV head at a time: its rows come from L2 or memory for the first of its
+// query heads and from L1 for the others. A score is
 // the dot product of the query and the K row, 16 lanes of partial sums over the head's 16-float chunks; 16 rows'
 // partial sums are added
 // across their lanes together, in one transposing tree, into one vector of 16 scores. The weighted sum adds each
@@ -69,6 +70,51 @@ inline __m512 lane_sums(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
                        _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// The lines of the block a pass reads next, asked of L2 a few at a time while the pass works on this one. A
+// sequence's blocks lie anywhere in the pool and the hardware prefetcher does not follow the jump from one to
+// the next, so without this each block's first lines wait on memory; and asked all at once, the lines fill the
+// core's few outstanding misses and the pass waits until most of them arrive, memory and arithmetic one after
+// the other. Spread over the block's work, they arrive while it is done, in address order, which the hardware
+// prefetcher follows too (benchmarks/cpu_kernel_bench.py --pool-gib 2: on an AMD EPYC with AVX-512, 32 and 64
+// sequences of 256 tokens take 25-35% less time than with the whole block asked at the block's start).
+struct Ahead {
+  const char* row = nullptr;  // the row the next line is in
+  int64_t offset = 0;         // the next line's bytes into it
+  int64_t row_bytes = 0;      // the item's bytes of a row (its KV heads side by side)
+  int64_t stride = 0;         // bytes from a row to the next
+  int64_t lines = 0;          // lines not yet asked
+  int64_t quota = 0;          // of which the pass at work may ask
+
+  // Asks for a block's rows: `rows` rows of row_bytes, stride bytes apart, from `first`.
+  void start(const void* first, int64_t rows, int64_t bytes_per_row, int64_t stride_bytes) {
+    row = static_cast<const char*>(first);
+    offset = 0;
+    row_bytes = bytes_per_row;
+    stride = stride_bytes;
+    lines = rows * ((row_bytes + 63) / 64);
+  }
+
+  // The next pass's share of what is left, when `passes` passes (this one included) are left in the block.
+  void give(int64_t passes) { quota = (lines + passes - 1) / passes; }
+
+  // Up to n lines of the pass's quota.
+  void ask(int64_t n) {
+    for (n = n < quota ? n : quota; n > 0; --n) {
+      _mm_prefetch(row + offset, _MM_HINT_T1);
+      offset += 64;
+      if (offset >= row_bytes) {
+        offset = 0;
+        row += stride;
+      }
+      --quota;
+      --lines;
+    }
+  }
+
+  // The pass's quota spread evenly over its `steps` steps left: this step's part.
+  void step(int64_t steps) { ask((quota + steps - 1) / steps); }
+};
+
 // A query's products with a K row, added chunk by chunk: 16 partial sums.
 template <typename T, int NC>
 inline __m512 row_products(const __m512 (&q)[NC], const T* row) {
@@ -83,9 +129,10 @@ inline __m512 row_products(const __m512 (&q)[NC], const T* row) {
 // L1 for the others.
 template <typename T, int NC, int HG>
 void score_rows(const float* q, const T* block, int64_t rows, int64_t c_token, float scale, float* out,
-                int64_t stride) {
+                int64_t stride, Ahead& ahead) {
   const __m512 by = _mm512_set1_ps(scale);
   for (int h = 0; h < HG; ++h) {
+    ahead.step(HG - h);
     __m512 qh[NC];
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) qh[c] = load(q + (h * NC + c) * 16);
@@ -120,57 +167,67 @@ constexpr int heads_together() {
   return NC <= 3 ? 4 : NC <= 4 ? 3 : NC <= 6 ? 2 : 1;
 }
 
-// The rows of the item's KV heads in `block`, asked of L2 a block before they are read. A sequence's blocks lie
-// anywhere in the pool and the hardware prefetcher does not follow the jump from one to the next: without this
-// each block's first lines wait on memory (benchmarks/cpu_kernel_bench.py --pool-gib 1: 20-25% less time at 32
-// and 64 sequences; two or four blocks ahead gain less).
-template <typename T>
-inline void prefetch_block(const Rows& r, const T* block) {
-  const int64_t bytes = r.num_kv_heads * r.head_size * static_cast<int64_t>(sizeof(T));
-  for (int64_t p = 0; p < r.block_size; ++p) {
-    const char* row = reinterpret_cast<const char*>(block + p * r.c_token);
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
-  }
-}
-
 // Every KV head of the item, a block at a time: kHeads query heads of one KV head at a time (the last few one by
-// one) read the block's rows of that head, from memory for the first of them and from L1 for the others.
-// pass(heads, first query head, first position, the head's rows of the block, rows), heads an integral_constant.
+// one) read the block's rows of that head, from memory for the first of them and from L1 for the others. The
+// next block's lines are shared out among the passes; `then`, where given, is the block read after the last
+// one (the V pass's first block, after the K pass).
+// pass(heads, first query head, first position, the head's rows of the block, rows, ahead), heads an
+// integral_constant.
 template <typename T, int NC, typename Pass>
-void over_blocks(const Rows& r, const T* base, Pass pass) {
+void over_blocks(const Rows& r, const T* base, const T* then, Pass pass) {
   constexpr int kHeads = heads_together<NC>();
+  const int64_t passes = r.num_kv_heads * (r.group / kHeads + r.group % kHeads);
+  const int64_t row_bytes = r.num_kv_heads * r.head_size * static_cast<int64_t>(sizeof(T));
+  const int64_t stride = r.c_token * static_cast<int64_t>(sizeof(T));
+  Ahead ahead;
   for (int64_t first = 0; first < r.ctx; first += r.block_size) {
     const T* block = base + static_cast<int64_t>(r.row[first / r.block_size]) * r.c_block;  // widened first
     const int64_t rows = first + r.block_size <= r.ctx ? r.block_size : r.ctx - first;
-    if (first + r.block_size < r.ctx) {
-      prefetch_block(r, base + static_cast<int64_t>(r.row[first / r.block_size + 1]) * r.c_block);
+    const int64_t next = first + r.block_size;
+    if (next < r.ctx) {
+      const int64_t next_rows = next + r.block_size <= r.ctx ? r.block_size : r.ctx - next;
+      ahead.start(base + static_cast<int64_t>(r.row[next / r.block_size]) * r.c_block, next_rows, row_bytes,
+                  stride);
+    } else if (then) {
+      ahead.start(then, r.ctx < r.block_size ? r.ctx : r.block_size, row_bytes, stride);
     }
+    int64_t left = passes;
     for (int64_t g = 0; g < r.num_kv_heads; ++g) {
       const T* rows_of_head = block + g * r.c_head;
       int64_t h = 0;
       for (; h + kHeads <= r.group; h += kHeads) {
-        pass(std::integral_constant<int, kHeads>{}, g * r.group + h, first, rows_of_head, rows);
+        ahead.give(left--);
+        pass(std::integral_constant<int, kHeads>{}, g * r.group + h, first, rows_of_head, rows, ahead);
+        ahead.ask(ahead.quota);
       }
-      for (; h < r.group; ++h) pass(std::integral_constant<int, 1>{}, g * r.group + h, first, rows_of_head, rows);
+      for (; h < r.group; ++h) {
+        ahead.give(left--);
+        pass(std::integral_constant<int, 1>{}, g * r.group + h, first, rows_of_head, rows, ahead);
+        ahead.ask(ahead.quota);
+      }
     }
   }
 }
 
 template <typename T, int NC>
 void scores_of(const Rows& r, const float* q, float* scores, int64_t stride) {
-  over_blocks<T, NC>(r, static_cast<const T*>(r.k), [&](auto heads, int64_t head, int64_t first, const T* block,
-                                                         int64_t rows) {
-    score_rows<T, NC, decltype(heads)::value>(q + head * NC * 16, block, rows, r.c_token, r.scale,
-                                              scores + head * stride + first, stride);
-  });
+  const T* v_first = static_cast<const T*>(r.v) + static_cast<int64_t>(r.row[0]) * r.c_block;
+  over_blocks<T, NC>(r, static_cast<const T*>(r.k), v_first,
+                     [&](auto heads, int64_t head, int64_t first, const T* block, int64_t rows, Ahead& ahead) {
+                       score_rows<T, NC, decltype(heads)::value>(q + head * NC * 16, block, rows, r.c_token,
+                                                                 r.scale, scores + head * stride + first,
+                                                                 stride, ahead);
+                     });
 }
 
 // HG query heads at a time: their accumulators stay in registers over a block's rows.
 template <typename T, int NC, int HG>
-void add_rows(const float* weights, int64_t stride, const T* block, int64_t rows, int64_t c_token, float* acc) {
+void add_rows(const float* weights, int64_t stride, const T* block, int64_t rows, int64_t c_token, float* acc,
+              Ahead& ahead) {
   __m512 a[HG][NC];
   load_heads(a, acc);
   for (int64_t p = 0; p < rows; ++p) {
+    ahead.step(rows - p);
     __m512 v[NC];
     load_row(v, block + p * c_token);
 #pragma GCC unroll 4
@@ -189,11 +246,11 @@ void add_rows(const float* weights, int64_t stride, const T* block, int64_t rows
 
 template <typename T, int NC>
 void weighted_sum(const Rows& r, const float* weights, int64_t stride, float* acc) {
-  over_blocks<T, NC>(r, static_cast<const T*>(r.v), [&](auto heads, int64_t head, int64_t first, const T* block,
-                                                         int64_t rows) {
-    add_rows<T, NC, decltype(heads)::value>(weights + head * stride + first, stride, block, rows, r.c_token,
-                                            acc + head * NC * 16);
-  });
+  over_blocks<T, NC>(r, static_cast<const T*>(r.v), nullptr,
+                     [&](auto heads, int64_t head, int64_t first, const T* block, int64_t rows, Ahead& ahead) {
+                       add_rows<T, NC, decltype(heads)::value>(weights + head * stride + first, stride, block,
+                                                               rows, r.c_token, acc + head * NC * 16, ahead);
+                     });
 }
 
 // e^x of 16 floats: exp_in_place's steps (cpu_math.h) on 16 lanes, so each lane gives its bits.
