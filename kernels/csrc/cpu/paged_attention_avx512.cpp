@@ -170,7 +170,7 @@ constexpr int heads_together() {
 // Every KV head of the item, a block at a time: kHeads query heads of one KV head at a time (the last few one by
 // one) read the block's rows of that head, from memory for the first of them and from L1 for the others. The
 // next block's lines are shared out among the passes; `then`, where given, is the block read after the last
-// one (the V pass's first block, after the K pass).
+// one (the V pass's first block after the K pass, the next item's first K block after the V pass).
 // pass(heads, first query head, first position, the head's rows of the block, rows, ahead), heads an
 // integral_constant.
 template <typename T, int NC, typename Pass>
@@ -189,7 +189,7 @@ void over_blocks(const Rows& r, const T* base, const T* then, Pass pass) {
       ahead.start(base + static_cast<int64_t>(r.row[next / r.block_size]) * r.c_block, next_rows, row_bytes,
                   stride);
     } else if (then) {
-      ahead.start(then, r.ctx < r.block_size ? r.ctx : r.block_size, row_bytes, stride);
+      ahead.start(then, r.block_size, row_bytes, stride);  // rows past a context are the block's own bytes
     }
     int64_t left = passes;
     for (int64_t g = 0; g < r.num_kv_heads; ++g) {
@@ -246,7 +246,7 @@ void add_rows(const float* weights, int64_t stride, const T* block, int64_t rows
 
 template <typename T, int NC>
 void weighted_sum(const Rows& r, const float* weights, int64_t stride, float* acc) {
-  over_blocks<T, NC>(r, static_cast<const T*>(r.v), nullptr,
+  over_blocks<T, NC>(r, static_cast<const T*>(r.v), static_cast<const T*>(r.after),
                      [&](auto heads, int64_t head, int64_t first, const T* block, int64_t rows, Ahead& ahead) {
                        add_rows<T, NC, decltype(heads)::value>(weights + head * stride + first, stride, block,
                                                                rows, r.c_token, acc + head * NC * 16, ahead);

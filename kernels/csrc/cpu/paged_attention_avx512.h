@@ -20,6 +20,7 @@ struct Rows {
   int64_t head_size;     // a multiple of 16, at most 128
   int64_t group;         // query heads that share a KV head (num_kv_heads x group query heads in all)
   float scale;
+  const void* after;     // the first K block of the thread's next item (at its first KV head), or null
 };
 
 // Only where pagedserve_cpu_features::avx512_enabled() (cpu_features.h).
