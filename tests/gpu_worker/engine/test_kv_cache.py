@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import re
 import sys
 from pathlib import Path
@@ -35,10 +37,14 @@ def test_the_pool_starts_as_zeros_in_every_layer() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
 def test_the_pool_asks_for_huge_pages_before_it_is_touched() -> None:
-    # 40 MiB: past glibc's largest mmap threshold, so a mapping of its own, never memory advised before.
-    plain = torch.empty(20 * HUGE_PAGE // 4, dtype=torch.float32)
-    assert not huge_page_advised(plain.data_ptr() + HUGE_PAGE)  # the negative control
-    assert not advise_huge_pages(plain[:100])  # no whole 2 MiB page inside: nothing to ask
+    # The negative control: a mapping of its own, never advised. (A large torch.empty is no such control: the
+    # allocator may hand back heap memory that an earlier pool in this process had advised.)
+    fresh = mmap.mmap(-1, 4 * HUGE_PAGE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(fresh))
+    assert not huge_page_advised(address + HUGE_PAGE)
+    fresh.close()
+    plain = torch.empty(100, dtype=torch.float32)
+    assert not advise_huge_pages(plain)  # no whole 2 MiB page inside: nothing to ask
     cache = KVCache(1, 2048, 16, 4, 64, torch.float32, torch.device("cpu"))  # 64 MiB of K and V
     assert huge_page_advised(cache.kv_cache.data_ptr() + HUGE_PAGE)
     assert not cache.kv_cache.any()
