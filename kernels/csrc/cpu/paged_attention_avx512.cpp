@@ -5,12 +5,11 @@
 //
 // Both passes over the cache go a block at a time, the next block's lines prefetched a few at a time as the rows
 // are worked on, and within a block a KV head at a time: its rows come from L2 or memory for the first of its
-// query heads and from L1 for the others. A score is
-// the dot product of the query and the K row, 16 lanes of partial sums over the head's 16-float chunks; 16 rows'
-// partial sums are added
-// across their lanes together, in one transposing tree, into one vector of 16 scores. The weighted sum adds each
-// V row, times each head's weight, into float32 accumulators, up to four query heads sharing each row's loads.
-// bfloat16 rows are widened to float as they load.
+// query heads and from L1 for the others. A score is the dot product of the query and the K row, 16 lanes of
+// partial sums over the head's 16-float chunks; 16 rows' partial sums are added across their lanes together, in
+// one transposing tree, into one vector of 16 scores. The weighted sum adds each V row, times each head's weight,
+// into float32 accumulators, up to four query heads sharing each row's loads. bfloat16 rows are widened to float
+// as they load.
 #include <cstdint>
 #include <type_traits>
 

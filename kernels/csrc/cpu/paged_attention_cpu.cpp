@@ -188,11 +188,12 @@ void decode_avx512(const Pool<T>& p, const std::vector<int64_t>& decodes) {
       balance(items, threads, [&](int64_t item) { return static_cast<int64_t>(p.lens[sequence(item)]); });
   at::parallel_for(0, static_cast<int64_t>(shares.size()), 1, [&](int64_t first_share, int64_t last_share) {
     std::vector<float> scores, sums(heads), acc(heads * head_size), q(heads * head_size);
-    // An item's first head, and the first K row of its KV heads (the next item's is asked for ahead).
+    // An item's first query head, the offset of its first KV head in a row, and its first K block there (the
+    // next item's is asked for ahead).
     const auto first_head = [&](int64_t item) { return item * per_item % num_kv_heads * p.group; };
+    const auto kv_offset = [&](int64_t item) { return first_head(item) / p.group * p.c_head; };
     const auto first_k = [&](int64_t item) {
-      return p.k + first_head(item) / p.group * p.c_head +
-             static_cast<int64_t>(p.table[sequence(item) * p.max_blocks]) * p.c_block;
+      return p.k + kv_offset(item) + static_cast<int64_t>(p.table[sequence(item) * p.max_blocks]) * p.c_block;
     };
     for (int64_t share = first_share; share < last_share; ++share) {
       const std::vector<int64_t>& mine = shares[share];
@@ -201,9 +202,8 @@ void decode_avx512(const Pool<T>& p, const std::vector<int64_t>& decodes) {
         const int64_t ctx = p.lens[s], token = p.starts[s], stride = padded(ctx);
         p.load_queries(token, head, heads, q.data());
         scores.assign(heads * stride, -std::numeric_limits<float>::infinity());
-        const int64_t kv_offset = head / p.group * p.c_head;
         const pagedserve_cpu_attention::Rows rows{
-            p.k + kv_offset, p.v + kv_offset, std::is_same_v<T, c10::BFloat16>, p.table + s * p.max_blocks, ctx,
+            p.k + kv_offset(item), p.v + kv_offset(item), std::is_same_v<T, c10::BFloat16>, p.table + s * p.max_blocks, ctx,
             p.block_size, p.c_block, p.c_token, p.c_head, per_item, head_size, p.group, p.scale,
             i + 1 < mine.size() ? first_k(mine[i + 1]) : nullptr};
         pagedserve_cpu_attention::scores_avx512(rows, q.data(), scores.data(), stride);
