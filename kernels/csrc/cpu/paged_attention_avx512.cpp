@@ -75,7 +75,7 @@ inline __m512 lane_sums(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
 // core's few outstanding misses and the pass waits until most of them arrive, memory and arithmetic one after
 // the other. Spread over the block's work, they arrive while it is done, in address order, which the hardware
 // prefetcher follows too (benchmarks/cpu_kernel_bench.py --pool-gib 2: on an AMD EPYC with AVX-512, 32 and 64
-// sequences of 256 tokens take 25-35% less time than with the whole block asked at the block's start).
+// sequences of 256 tokens take 20-40% less time than with the whole block asked at the block's start).
 struct Ahead {
   const char* row = nullptr;  // the row the next line is in
   int64_t offset = 0;         // the next line's bytes into it
