@@ -77,19 +77,17 @@ inline __m512 lane_sums(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
 // prefetcher follows too (benchmarks/cpu_kernel_bench.py --pool-gib 2: on an AMD EPYC with AVX-512, 32 and 64
 // sequences of 256 tokens take 20-40% less time than with the whole block asked at the block's start).
 struct Ahead {
+  const int64_t row_bytes;    // the item's bytes of a row (its KV heads side by side)
+  const int64_t stride;       // bytes from a row to the next
   const char* row = nullptr;  // the row the next line is in
   int64_t offset = 0;         // the next line's bytes into it
-  int64_t row_bytes = 0;      // the item's bytes of a row (its KV heads side by side)
-  int64_t stride = 0;         // bytes from a row to the next
   int64_t lines = 0;          // lines not yet asked
   int64_t quota = 0;          // of which the pass at work may ask
 
-  // Asks for a block's rows: `rows` rows of row_bytes, stride bytes apart, from `first`.
-  void start(const void* first, int64_t rows, int64_t bytes_per_row, int64_t stride_bytes) {
+  // Asks for a block's first `rows` rows, from `first`.
+  void start(const void* first, int64_t rows) {
     row = static_cast<const char*>(first);
     offset = 0;
-    row_bytes = bytes_per_row;
-    stride = stride_bytes;
     lines = rows * ((row_bytes + 63) / 64);
   }
 
@@ -176,19 +174,17 @@ template <typename T, int NC, typename Pass>
 void over_blocks(const Rows& r, const T* base, const T* then, Pass pass) {
   constexpr int kHeads = heads_together<NC>();
   const int64_t passes = r.num_kv_heads * (r.group / kHeads + r.group % kHeads);
-  const int64_t row_bytes = r.num_kv_heads * r.head_size * static_cast<int64_t>(sizeof(T));
-  const int64_t stride = r.c_token * static_cast<int64_t>(sizeof(T));
-  Ahead ahead;
+  Ahead ahead{r.num_kv_heads * r.head_size * static_cast<int64_t>(sizeof(T)),
+              r.c_token * static_cast<int64_t>(sizeof(T))};
   for (int64_t first = 0; first < r.ctx; first += r.block_size) {
     const T* block = base + static_cast<int64_t>(r.row[first / r.block_size]) * r.c_block;  // widened first
     const int64_t rows = first + r.block_size <= r.ctx ? r.block_size : r.ctx - first;
     const int64_t next = first + r.block_size;
     if (next < r.ctx) {
       const int64_t next_rows = next + r.block_size <= r.ctx ? r.block_size : r.ctx - next;
-      ahead.start(base + static_cast<int64_t>(r.row[next / r.block_size]) * r.c_block, next_rows, row_bytes,
-                  stride);
+      ahead.start(base + static_cast<int64_t>(r.row[next / r.block_size]) * r.c_block, next_rows);
     } else if (then) {
-      ahead.start(then, r.block_size, row_bytes, stride);  // rows past a context are the block's own bytes
+      ahead.start(then, r.block_size);  // rows past a context are the block's own bytes
     }
     int64_t left = passes;
     for (int64_t g = 0; g < r.num_kv_heads; ++g) {
