@@ -70,12 +70,28 @@ struct alignas(64) TileConfig {
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,sse")
 
+// The thread's next panel, asked of L2 a few lines at each step of this panel's tiles. A panel is one contiguous
+// run, which the hardware prefetcher follows; but from 17 rows a step's tile products take long enough that the
+// memory and the arithmetic take turns, and the next panel's lines, spread over this panel's steps, arrive while
+// it is multiplied (benchmarks/panel_linear_bench.py --dtype bfloat16, on an Intel Xeon with AMX: 24 and 32 rows
+// 13-18% faster, 1 to 16 rows level). Asked into L1 instead, a line at a time 12 steps ahead, 5 to 32 rows ran
+// 12-15% slower.
+struct NextPanel {
+  const char* line = nullptr;  // the next line to ask for
+  const char* end = nullptr;
+  int64_t per_step = 0;
+
+  void step() {
+    for (int64_t i = 0; i < per_step && line < end; ++i, line += 64) _mm_prefetch(line, _MM_HINT_T1);
+  }
+};
+
 // R row tiles by C column tiles of sums over k_pairs pairs of k: row tile r's rows from a[r] (rows lda[r] bytes
 // apart), a weights' tile from `b` (panel rows ldb bytes apart, column tile c at 64 c bytes), stored to `out`
 // (floats, ldo bytes apart).
 template <int R, int C>
 void tiles(const uint16_t* const (&a)[2], const int64_t (&lda)[2], const uint16_t* b, int64_t ldb, int64_t k_pairs,
-           float* out, int64_t ldo) {
+           float* out, int64_t ldo, NextPanel& next) {
   _tile_zero(0);
   if (C > 1) _tile_zero(1);
   if (R > 1) _tile_zero(2);
@@ -84,9 +100,7 @@ void tiles(const uint16_t* const (&a)[2], const int64_t (&lda)[2], const uint16_
   const auto* wa1 = reinterpret_cast<const char*>(a[1]);
   const auto* wb = reinterpret_cast<const char*>(b);
   for (int64_t kp = 0; kp < k_pairs; kp += kPairsStep) {
-    // No software prefetch: a panel is one contiguous run, which the hardware prefetcher follows; prefetching
-    // each line 12 steps ahead into L1 made 5 to 32 rows 12-15% slower (benchmarks/panel_linear_bench.py), and
-    // 1 to 4 rows no faster than the AVX512_BF16 tiles, which now they match or pass.
+    next.step();
     const char* bk = wb + kp * ldb;
     _tile_loadd(4, wa0 + kp * 4, lda[0]);  // two bfloat16 a pair
     if (R > 1) _tile_loadd(5, wa1 + kp * 4, lda[1]);
@@ -170,12 +184,18 @@ void panel_linear_bf16_amx(const uint16_t* x, int64_t rows, int64_t k_size, int6
   const int64_t col_tiles = panel / kTile;
   const int64_t k_pairs = k_size / 2;
   const int64_t ldb = panel * 4;  // bytes a panel row: P columns of a pair of bfloat16
+  // The tiles' steps over a panel: a pass of up to two row tiles, a pair of column tiles, 32 values of k at a time.
+  const int64_t panel_lines = panel * k_size * 2 / 64;
+  const int64_t steps = (padded + 2 * kTile - 1) / (2 * kTile) * ((col_tiles + 1) / 2) * (k_pairs / kPairsStep);
   at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(padded * panel);
     const int64_t ldo = panel * 4;
     load_config();
     for (int64_t unit = begin; unit < end; ++unit) {
       const uint16_t* base = weight + unit * panel * k_size;
+      const auto* following = reinterpret_cast<const char*>(base + panel * k_size);
+      NextPanel next{following, unit + 1 < end ? following + panel_lines * 64 : following,
+                     (panel_lines + steps - 1) / steps};
       for (int64_t r0 = 0; r0 < padded;) {
         // Two row tiles a pass where two are left (each in x or in the tail: 17 rows as 16 in place and 1
         // copied, in one pass over the weights), else one.
@@ -188,10 +208,10 @@ void panel_linear_bf16_amx(const uint16_t* x, int64_t rows, int64_t k_size, int6
           const uint16_t* b = base + c * kTile * 2;
           float* o = sums.data() + r0 * panel + c * kTile;
           const bool pair = c + 1 < col_tiles;
-          if (two && pair) tiles<2, 2>(a, lda_of, b, ldb, k_pairs, o, ldo);
-          else if (two) tiles<2, 1>(a, lda_of, b, ldb, k_pairs, o, ldo);
-          else if (pair) tiles<1, 2>(a, lda_of, b, ldb, k_pairs, o, ldo);
-          else tiles<1, 1>(a, lda_of, b, ldb, k_pairs, o, ldo);
+          if (two && pair) tiles<2, 2>(a, lda_of, b, ldb, k_pairs, o, ldo, next);
+          else if (two) tiles<2, 1>(a, lda_of, b, ldb, k_pairs, o, ldo, next);
+          else if (pair) tiles<1, 2>(a, lda_of, b, ldb, k_pairs, o, ldo, next);
+          else tiles<1, 1>(a, lda_of, b, ldb, k_pairs, o, ldo, next);
         }
         r0 += two ? 2 * kTile : kTile;
       }
