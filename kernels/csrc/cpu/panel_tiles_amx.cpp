@@ -104,8 +104,10 @@ void tiles(const uint16_t* const (&a)[2], const int64_t (&lda)[2], const uint16_
     const char* bk = wb + kp * ldb;
     _tile_loadd(4, wa0 + kp * 4, lda[0]);  // two bfloat16 a pair
     if (R > 1) _tile_loadd(5, wa1 + kp * 4, lda[1]);
-    _tile_loadd(6, bk, ldb);
-    if (C > 1) _tile_loadd(7, bk + 64, ldb);
+    // The weights' tiles loaded past L1 (TILELOADDT1): each line is read once, and kept out of L1 it leaves the
+    // rows' tiles there, which every panel reads again (1 to 32 rows 2-8% faster).
+    _tile_stream_loadd(6, bk, ldb);
+    if (C > 1) _tile_stream_loadd(7, bk + 64, ldb);
     _tile_dpbf16ps(0, 4, 6);
     if (C > 1) _tile_dpbf16ps(1, 4, 7);
     if (R > 1) _tile_dpbf16ps(2, 5, 6);
