@@ -25,6 +25,7 @@ __all__ = [
     "amx_ready",
     "avx512",
     "copy_blocks",
+    "first_max_ids",
     "cpp_layers_support",
     "llama_decode_layers",
     "load",
@@ -187,6 +188,15 @@ def rotary_write_kv(
         reference.rotary_write_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping)
         return
     ops.rotary_write_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping.long())
+
+
+def first_max_ids(logits: Tensor) -> Tensor:
+    """Each row's index of its first largest value (its first NaN, if it has one), as argmax gives it, of
+    logits [rows, vocab] in their own dtype: greedy decoding's pick, without a float32 copy of the logits."""
+    ops = _cpu_rows(logits)
+    if ops is None or logits.dim() != 2 or logits.shape[1] == 0:
+        return reference.first_max_ids(logits)
+    return ops.first_max_ids(logits)
 
 
 def cpp_layers_support(weight: Tensor, head_size: int) -> bool:

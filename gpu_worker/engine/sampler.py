@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from gpu_worker.engine.sequence import Sequence
 from gpu_worker.engine.structured_output import TokenBitmask, apply_grammars
 
@@ -38,9 +39,22 @@ def draw_seed(seed: int, position: int) -> int:
 
 
 def first_max_ids(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's index of its first largest value, as argmax gives it; torch.max's reduction finds it faster
-    on the CPU."""
-    return rows.max(dim=-1).indices
+    """Each row's index of its first largest value (its first NaN, if it has one), as argmax gives it; on the
+    CPU a C++ kernel reads the rows in their own dtype (kernels.first_max_ids)."""
+    return kernels.first_max_ids(rows)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether a row's token is the first largest of the model's own logits, and nothing else is asked of them."""
+    params = seq.params
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.has_penalties
+        and seq.num_output_tokens >= params.min_tokens
+        and not params.shapes_logits
+        and seq.matcher is None
+    )
 
 
 class Sampler:
@@ -59,8 +73,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [num_rows, vocab_size]
-        logits = raw_logits = logits.float()
         num_rows = len(seqs)
+        if all(_plain_greedy(s) for s in seqs):  # the logits as the LM head left them: no float32 copy
+            return SamplerOutput(first_max_ids(logits).tolist(), [None] * num_rows, [None] * num_rows)
+        logits = raw_logits = logits.float()
         logprobs = self._logprobs(logits, seqs)
         if any(s.params.has_penalties or s.num_output_tokens < s.params.min_tokens for s in seqs):
             logits = logits.clone()

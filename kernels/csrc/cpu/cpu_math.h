@@ -52,6 +52,16 @@ inline float stored(float x) {
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight values of a row in float32 lanes: to_float, eight at a time.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#endif
+
 // e^x of n floats (in place), n a multiple of 8 where AVX2 is built in. x = k ln2 + r with |r| <= ln2 / 2:
 // e^r from its Taylor series up to r^7 (the rest is under 1e-8 of it), scaled by 2^k through the exponent
 // bits; within a float's rounding of std::exp, as torch's own vectorized exp is.

@@ -670,3 +670,31 @@ def test_first_max_ids_picks_argmaxs_index_on_ties_nan_and_inf(dtype: torch.dtyp
     assert torch.equal(ids, rows.argmax(dim=-1))
     assert ids[1:5].tolist() == [7, 0, 5, 49151]
     assert rows[0, ids[0]] == 3 and (rows[0, : ids[0]] < 3).all()  # the first of the row's ties
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 8, 13, 1003])
+def test_first_max_ids_reads_any_width_and_rows_apart(dtype: torch.dtype, vocab: int) -> None:
+    # Widths past the kernel's eight lanes and short of them, a lone NaN or maximum in the tail, rows taken
+    # from a wider tensor (a stride of their own).
+    torch.manual_seed(1)
+    wide = torch.randn(6, vocab + 5).to(dtype)
+    rows = wide[:, 2 : vocab + 2]
+    rows[1, -1] = 50.0
+    rows[2, vocab // 2] = float("nan")
+    rows[3] = rows[3, 0]  # all ties
+    ids = first_max_ids(rows)
+    assert torch.equal(ids, rows.float().argmax(dim=-1))
+    assert ids[1:4].tolist() == [vocab - 1, vocab // 2, 0]
+
+
+def test_greedy_rows_asking_nothing_else_take_the_bf16_logits_as_they_are() -> None:
+    # The fast path (no float32 copy) and the full one pick the same tokens.
+    torch.manual_seed(2)
+    logits = torch.randn(5, 4096).to(torch.bfloat16)
+    plain = [make_seq(SamplingParams(temperature=0.0), seq_id=i) for i in range(5)]
+    asked = [make_seq(SamplingParams(temperature=0.0, logprobs=1), seq_id=i) for i in range(5)]
+    fast = Sampler(set())(logits, plain)
+    full = Sampler(set())(logits, asked)
+    assert fast.token_ids == full.token_ids == logits.float().argmax(dim=-1).tolist()
+    assert fast.logprobs == [None] * 5 and all(lp is not None for lp in full.logprobs)
