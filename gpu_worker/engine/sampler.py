@@ -45,7 +45,7 @@ def first_max_ids(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_greedy(seq: Sequence) -> bool:
-    """Whether a row's token is the first largest of the model's own logits, and nothing else is asked of them."""
+    """Whether a row takes the first largest of the model's own logits, and asks nothing else of them."""
     params = seq.params
     return (
         params.greedy
