@@ -90,6 +90,29 @@ def test_silu_and_mul_holds_at_the_ends_of_the_exponential(ops: object, dtype: t
     assert out[0, 0].isnan() and not out[0, 1].isnan()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_has_the_same_bits_in_its_avx512_and_avx2_loops(dtype: torch.dtype) -> None:
+    """The AVX-512 loop takes 16 values a step and leaves the rest of a row to the eight-lane one; NaN, the
+    infinities, the exponential's ends and both zeros in the lanes, rows of every length around 16."""
+    if load_cpu_extension() is None or not torch.cpu._is_avx512_supported():
+        pytest.skip("no AVX-512 CPU kernels here")
+    torch.manual_seed(3)
+    specials = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 0.0, -0.0, 88.5, -88.5]
+    )
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for n in (1, 15, 16, 17, 40, 1536):
+        gate_up = (torch.randn(5, 2 * n) * 6).to(dtype)
+        gate_up[0, : min(n, specials.numel())] = specials[:n].to(dtype)
+        outs = []
+        for wide in (False, True):
+            out = torch.empty(5, n, dtype=dtype)
+            with kernels.avx512(wide):
+                kernels.silu_and_mul(out, gate_up)
+            outs.append(out.view(bits))
+        assert torch.equal(outs[0], outs[1])
+
+
 def _rotary_inputs(
     dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, dim: int
 ) -> tuple[Tensor, ...]:

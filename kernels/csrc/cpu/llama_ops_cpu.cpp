@@ -18,7 +18,9 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu_features.h"
 #include "cpu_math.h"
+#include "llama_ops_avx512.h"
 #include "panel_linear.h"
 
 namespace {
@@ -118,12 +120,19 @@ void add_rms_norm(Tensor& x, Tensor& residual, const Tensor& weight, double eps)
   }
 }
 
+// The bits of a row: float32 as it is, bfloat16 as uint16.
+inline const float* bits(const float* p) { return p; }
+inline float* bits(float* p) { return p; }
+inline const uint16_t* bits(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline uint16_t* bits(c10::BFloat16* p) { return reinterpret_cast<uint16_t*>(p); }
+
 template <typename T>
 PAGEDSERVE_EXACT void silu_mul_rows(Tensor& out, const Tensor& gate_up) {
   const int64_t rows = out.size(0), n = out.size(1);
   const T* in = gate_up.data_ptr<T>();
   T* o = out.data_ptr<T>();
   const int64_t in_row = gate_up.stride(0), out_row = out.stride(0);
+  const bool wide = pagedserve_cpu_features::avx512_enabled();
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     const int64_t padded = (n + kExpWidth - 1) / kExpWidth * kExpWidth;
     std::vector<float> e(padded, 0.f);
@@ -131,9 +140,12 @@ PAGEDSERVE_EXACT void silu_mul_rows(Tensor& out, const Tensor& gate_up) {
       const T* gate = in + i * in_row;
       const T* up = gate + n;
       T* oi = o + i * out_row;
-      for (int64_t d = 0; d < n; ++d) e[d] = -to_float(gate[d]);
-      exp_in_place(e.data(), padded);
-      for (int64_t d = 0; d < n; ++d) {
+      // The row's first values 16 at a time where the CPU has AVX-512 (the same bits); the rest below.
+      const int64_t done = wide ? pagedserve_cpu_llama::silu_mul_avx512(bits(gate), bits(up), bits(oi), n) : 0;
+      if (done == n) continue;
+      for (int64_t d = done; d < n; ++d) e[d] = -to_float(gate[d]);
+      exp_in_place(e.data() + done, padded - done);
+      for (int64_t d = done; d < n; ++d) {
         const float act = stored<T>(to_float(gate[d]) / (1.f + e[d]));
         oi[d] = from_float<T>(act * to_float(up[d]));
       }

@@ -18,6 +18,8 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 
+#include "cpu_math_avx512.h"
+
 namespace pagedserve_cpu_attention {
 
 // Headers first: only the loops below are compiled for AVX-512.
@@ -26,11 +28,11 @@ namespace pagedserve_cpu_attention {
 
 namespace {
 
-inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+using pagedserve_cpu_math_avx512::exp16;
 
-inline __m512 load(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+template <typename T>
+inline __m512 load(const T* p) {
+  return pagedserve_cpu_math_avx512::load16(p);
 }
 
 // A row's NC chunks of 16.
@@ -246,25 +248,6 @@ void weighted_sum(const Rows& r, const float* weights, int64_t stride, float* ac
                        add_rows<T, NC, decltype(heads)::value>(weights + head * stride + first, stride, block,
                                                                rows, r.c_token, acc + head * NC * 16, ahead);
                      });
-}
-
-// e^x of 16 floats: exp_in_place's steps (cpu_math.h) on 16 lanes, so each lane gives its bits.
-inline __m512 exp16(__m512 given) {
-  const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
-  const __m512 v = _mm512_min_ps(_mm512_max_ps(given, lo), hi);
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f),
-                                    _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v));
-  const float taylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-  __m512 p = _mm512_set1_ps(taylor[0]);
-#pragma GCC unroll 8
-  for (int j = 1; j < 8; ++j) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[j]));
-  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(given, hi, _CMP_GT_OQ), _mm512_set1_ps(__builtin_inff()));
-  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(given, lo, _CMP_LT_OQ), _mm512_setzero_ps());
-  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(given, given, _CMP_UNORD_Q), given);
 }
 
 // f(an element, the width) with the rows' element type (float, or bfloat16 bits) and their head size in chunks
