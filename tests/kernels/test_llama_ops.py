@@ -171,3 +171,48 @@ def test_the_kernels_refuse_what_they_cannot_take() -> None:
     cache = torch.zeros(1, 8, 1, 8)
     with pytest.raises(RuntimeError, match="maps to slot"):
         ops.rotary_write_kv(q, k, v, cos, sin, cache, cache.clone(), torch.tensor([0, 8]))
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return torch.equal(a.view(bits), b.view(bits))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [8, 20, 64, 576])
+def test_the_norms_have_the_same_bits_in_their_avx512_and_avx2_loops(dtype: torch.dtype, n: int) -> None:
+    """Rows of 16 values a step and the rest by eight or one: the sum, its squares and the scaled row."""
+    if load_cpu_extension() is None or not torch.cpu._is_avx512_supported():
+        pytest.skip("no AVX-512 CPU kernels here")
+    torch.manual_seed(n)
+    x, residual, weight = (
+        (torch.randn(5, n) * 3).to(dtype),
+        torch.randn(5, n).to(dtype),
+        torch.randn(n).to(dtype),
+    )
+    results = []
+    for wide in (False, True):
+        out, x_i, residual_i = torch.empty_like(x), x.clone(), residual.clone()
+        with kernels.avx512(wide):
+            kernels.rms_norm(out, x, weight, EPS)
+            kernels.add_rms_norm(x_i, residual_i, weight, EPS)
+        results.append((out, x_i, residual_i))
+    assert all(_same_bits(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [16, 32, 64, 128])
+def test_rotary_has_the_same_bits_in_its_avx512_and_avx2_loops(dtype: torch.dtype, dim: int) -> None:
+    """Heads whose halves are a multiple of 16 rotate 16 lanes a step; the others go the other way."""
+    if load_cpu_extension() is None or not torch.cpu._is_avx512_supported():
+        pytest.skip("no AVX-512 CPU kernels here")
+    torch.manual_seed(dim)
+    q, k, v, cos, sin = _rotary_inputs(dtype, 9, 3, 1, dim)
+    results = []
+    for wide in (False, True):
+        q_i, k_cache = q.clone(), torch.zeros(2, 16, 1, dim, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        with kernels.avx512(wide):
+            kernels.rotary_write_kv(q_i, k, v, cos, sin, k_cache, v_cache, torch.arange(9))
+        results.append((q_i, k_cache, v_cache))
+    assert all(_same_bits(a, b) for a, b in zip(*results))

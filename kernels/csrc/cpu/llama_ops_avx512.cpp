@@ -19,6 +19,10 @@ namespace {
 
 using namespace pagedserve_cpu_math_avx512;
 
+// a + b as its own rounding: GCC fuses a plain vector add with the product before it (fp-contract), which torch's
+// separate ops do not.
+inline __m512 added(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
 inline __m512 negated(__m512 x) {
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
 }
@@ -35,6 +39,43 @@ int64_t silu_mul(const T* gate, const T* up, T* out, int64_t n) {
   return d;
 }
 
+template <typename T>
+int64_t add_residual(T* residual, const T* x, float* row, int64_t n) {
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    const __m512 sum = _mm512_add_ps(load16(residual + d), load16(x + d));
+    store16(residual + d, sum);
+    _mm512_storeu_ps(row + d, stored16(sum, T{}));
+  }
+  return d;
+}
+
+template <typename T>
+int64_t scale_row(T* out, const float* row, const T* weight, float inv, int64_t n) {
+  const __m512 by = _mm512_set1_ps(inv);
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    store16(out + d, _mm512_mul_ps(load16(weight + d), stored16(_mm512_mul_ps(_mm512_loadu_ps(row + d), by), T{})));
+  }
+  return d;
+}
+
+template <typename T>
+bool rotate(T* out, const T* x, const T* cos, const T* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  if (half % 16 != 0) return false;
+  for (int64_t d = 0; d < half; d += 16) {
+    const __m512 first = load16(x + d), second = load16(x + d + half);
+    const __m512 a = stored16(_mm512_mul_ps(first, load16(cos + d)), T{});
+    const __m512 b = stored16(_mm512_mul_ps(negated(second), load16(sin + d)), T{});
+    store16(out + d, added(a, b));
+    const __m512 c = stored16(_mm512_mul_ps(second, load16(cos + d + half)), T{});
+    const __m512 e = stored16(_mm512_mul_ps(first, load16(sin + d + half)), T{});
+    store16(out + d + half, added(c, e));
+  }
+  return true;
+}
+
 }  // namespace
 
 int64_t silu_mul_avx512(const float* gate, const float* up, float* out, int64_t n) {
@@ -43,6 +84,42 @@ int64_t silu_mul_avx512(const float* gate, const float* up, float* out, int64_t 
 
 int64_t silu_mul_avx512(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
   return silu_mul(gate, up, out, n);
+}
+
+int64_t add_residual_avx512(float* residual, const float* x, float* row, int64_t n) {
+  return add_residual(residual, x, row, n);
+}
+
+int64_t add_residual_avx512(uint16_t* residual, const uint16_t* x, float* row, int64_t n) {
+  return add_residual(residual, x, row, n);
+}
+
+int64_t sum_squares_avx512(const float* row, int64_t n, double* sums) {
+  // Lane j holds sums[j]: each square added to it in the order of the eight-at-a-time loop.
+  __m512d acc = _mm512_loadu_pd(sums);
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(row + d));
+    acc = _mm512_add_pd(acc, _mm512_mul_pd(v, v));  // a float's square is exact in double: fused or not alike
+  }
+  _mm512_storeu_pd(sums, acc);
+  return d;
+}
+
+int64_t scale_row_avx512(float* out, const float* row, const float* weight, float inv, int64_t n) {
+  return scale_row(out, row, weight, inv, n);
+}
+
+int64_t scale_row_avx512(uint16_t* out, const float* row, const uint16_t* weight, float inv, int64_t n) {
+  return scale_row(out, row, weight, inv, n);
+}
+
+bool rotate_avx512(float* out, const float* x, const float* cos, const float* sin, int64_t dim) {
+  return rotate(out, x, cos, sin, dim);
+}
+
+bool rotate_avx512(uint16_t* out, const uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t dim) {
+  return rotate(out, x, cos, sin, dim);
 }
 
 #pragma GCC pop_options
@@ -55,6 +132,13 @@ namespace pagedserve_cpu_llama {
 
 int64_t silu_mul_avx512(const float*, const float*, float*, int64_t) { return 0; }
 int64_t silu_mul_avx512(const uint16_t*, const uint16_t*, uint16_t*, int64_t) { return 0; }
+int64_t add_residual_avx512(float*, const float*, float*, int64_t) { return 0; }
+int64_t add_residual_avx512(uint16_t*, const uint16_t*, float*, int64_t) { return 0; }
+int64_t sum_squares_avx512(const float*, int64_t, double*) { return 0; }
+int64_t scale_row_avx512(float*, const float*, const float*, float, int64_t) { return 0; }
+int64_t scale_row_avx512(uint16_t*, const float*, const uint16_t*, float, int64_t) { return 0; }
+bool rotate_avx512(float*, const float*, const float*, const float*, int64_t) { return false; }
+bool rotate_avx512(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, int64_t) { return false; }
 
 }  // namespace pagedserve_cpu_llama
 

@@ -41,13 +41,20 @@ void check_rows(const Tensor& t, const char* name, at::ScalarType dtype) {
   PAGEDSERVE_CHECK(t.dim() >= 1 && t.stride(-1) == 1, name, " must be contiguous in its last dimension");
 }
 
+// The bits of a row: float32 as it is, bfloat16 as uint16.
+inline const float* bits(const float* p) { return p; }
+inline float* bits(float* p) { return p; }
+inline const uint16_t* bits(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline uint16_t* bits(c10::BFloat16* p) { return reinterpret_cast<uint16_t*>(p); }
+
+// Where `wide`, the loops start with their AVX-512 twins (llama_ops_avx512.h), which leave the same bits.
 template <typename T>
-PAGEDSERVE_EXACT void norm_row(T* out, const float* row, const T* weight, int64_t n, float eps) {
+PAGEDSERVE_EXACT void norm_row(T* out, const float* row, const T* weight, int64_t n, float eps, bool wide) {
   // In double (each square exact in it): closer to the exact mean than any float order. Eight running sums, not
   // one: one sum's chain of dependent adds took longer than the rest of the norm.
   constexpr int64_t kSums = 8;
   double sums[kSums] = {};
-  int64_t d = 0;
+  int64_t d = wide ? pagedserve_cpu_llama::sum_squares_avx512(row, n, sums) : 0;
   for (; d + kSums <= n; d += kSums) {
     for (int64_t j = 0; j < kSums; ++j) sums[j] += static_cast<double>(row[d + j]) * row[d + j];
   }
@@ -56,7 +63,8 @@ PAGEDSERVE_EXACT void norm_row(T* out, const float* row, const T* weight, int64_
   for (const double s : sums) squares += s;
   const float variance = static_cast<float>(squares / static_cast<double>(n));
   const float inv = 1.f / std::sqrt(variance + eps);
-  for (d = 0; d < n; ++d) out[d] = from_float<T>(to_float(weight[d]) * stored<T>(row[d] * inv));
+  d = wide ? pagedserve_cpu_llama::scale_row_avx512(bits(out), row, bits(weight), inv, n) : 0;
+  for (; d < n; ++d) out[d] = from_float<T>(to_float(weight[d]) * stored<T>(row[d] * inv));
 }
 
 // residual is null for the first norm of a model (no sum before it).
@@ -69,20 +77,22 @@ PAGEDSERVE_EXACT void norm_rows(Tensor& out, const Tensor& x, Tensor* residual, 
   const T* in = x.data_ptr<T>();
   T* r = residual ? residual->data_ptr<T>() : nullptr;
   const auto feps = static_cast<float>(eps);
+  const bool wide = pagedserve_cpu_features::avx512_enabled();
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> row(n);
     for (int64_t i = begin; i < end; ++i) {
       const T* xi = in + i * n;
       if (r) {
         T* ri = r + i * n;
-        for (int64_t d = 0; d < n; ++d) {
+        const int64_t done = wide ? pagedserve_cpu_llama::add_residual_avx512(bits(ri), bits(xi), row.data(), n) : 0;
+        for (int64_t d = done; d < n; ++d) {
           ri[d] = from_float<T>(to_float(ri[d]) + to_float(xi[d]));
           row[d] = to_float(ri[d]);
         }
       } else {
         for (int64_t d = 0; d < n; ++d) row[d] = to_float(xi[d]);
       }
-      norm_row(o + i * n, row.data(), w, n, feps);
+      norm_row(o + i * n, row.data(), w, n, feps, wide);
     }
   });
 }
@@ -119,12 +129,6 @@ void add_rms_norm(Tensor& x, Tensor& residual, const Tensor& weight, double eps)
     norm_rows<c10::BFloat16>(x, x, &residual, weight, eps);
   }
 }
-
-// The bits of a row: float32 as it is, bfloat16 as uint16.
-inline const float* bits(const float* p) { return p; }
-inline float* bits(float* p) { return p; }
-inline const uint16_t* bits(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
-inline uint16_t* bits(c10::BFloat16* p) { return reinterpret_cast<uint16_t*>(p); }
 
 template <typename T>
 PAGEDSERVE_EXACT void silu_mul_rows(Tensor& out, const Tensor& gate_up) {
@@ -171,7 +175,8 @@ void silu_and_mul(Tensor& out, const Tensor& gate_up) {
 
 // x * cos + rotate_half(x) * sin of one head, rotate_half(x) = [-x2, x1] over the halves of the head.
 template <typename T>
-PAGEDSERVE_EXACT inline void rotate(T* out, const T* x, const T* cos, const T* sin, int64_t dim) {
+PAGEDSERVE_EXACT inline void rotate(T* out, const T* x, const T* cos, const T* sin, int64_t dim, bool wide) {
+  if (wide && pagedserve_cpu_llama::rotate_avx512(bits(out), bits(x), bits(cos), bits(sin), dim)) return;
   const int64_t half = dim / 2;
   for (int64_t d = 0; d < half; ++d) {
     const float a = stored<T>(to_float(x[d]) * to_float(cos[d]));
@@ -203,6 +208,7 @@ void rotary_rows(Tensor& query, const Tensor& key, const Tensor& value, const Te
     const int64_t slot = slots[t];
     PAGEDSERVE_CHECK(slot >= -1 && slot < num_slots, "token ", t, " maps to slot ", slot);
   }
+  const bool wide = pagedserve_cpu_features::avx512_enabled();
   at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<T> turned(dim);
     for (int64_t t = begin; t < end; ++t) {
@@ -210,14 +216,14 @@ void rotary_rows(Tensor& query, const Tensor& key, const Tensor& value, const Te
       const T* st = s + t * sin.stride(0);
       for (int64_t h = 0; h < heads; ++h) {
         T* qh = q + t * query.stride(0) + h * query.stride(1);
-        rotate(turned.data(), qh, ct, st, dim);
+        rotate(turned.data(), qh, ct, st, dim, wide);
         std::copy(turned.begin(), turned.end(), qh);
       }
       const int64_t slot = slots[t];
       if (slot < 0) continue;
       const int64_t base = (slot / block_size) * c_block + (slot % block_size) * c_token;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        rotate(kc + base + h * c_head, k + t * key.stride(0) + h * key.stride(1), ct, st, dim);
+        rotate(kc + base + h * c_head, k + t * key.stride(0) + h * key.stride(1), ct, st, dim, wide);
         const T* vh = v + t * value.stride(0) + h * value.stride(1);
         std::copy(vh, vh + dim, vc + base + h * c_head);
       }
