@@ -21,7 +21,9 @@ using namespace pagedserve_cpu_math_avx512;
 
 // a + b as its own rounding: GCC fuses a plain vector add with the product before it (fp-contract), which torch's
 // separate ops do not.
-inline __m512 added(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline __m512 added(__m512 a, __m512 b) {
+  return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
 
 inline __m512 negated(__m512 x) {
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
