@@ -57,6 +57,11 @@ std::atomic<bool>& amx_switch() {
 
 constexpr int64_t kTile = 16;        // rows of a tile, and columns of a weights' or sums' tile
 constexpr int64_t kPairsStep = 16;   // pairs of k a step: a tile row of 64 bytes
+// Pairs of k every pass takes before the next chunk, where a panel takes more than one pass (33 to 64 rows): 8
+// KiB of a 32-column panel, in L1 for the passes after the first (benchmarks/panel_linear_bench.py --dtype
+// bfloat16 on an Intel Xeon with AMX: 33 to 64 rows 5-10% faster than oneDNN with chunks of 64, 128 or 256
+// pairs no better; whole, the passes after the first read the panel from L2 and were no faster than oneDNN).
+constexpr int64_t kChunkPairs = 64;
 
 // Tile registers: sums 0-3 (row tile r, column tile c at 2 r + c), rows 4-5, weights 6-7.
 struct alignas(64) TileConfig {
@@ -88,14 +93,24 @@ struct NextPanel {
 
 // R row tiles by C column tiles of sums over k_pairs pairs of k: row tile r's rows from a[r] (rows lda[r] bytes
 // apart), a weights' tile from `b` (panel rows ldb bytes apart, column tile c at 64 c bytes), stored to `out`
-// (floats, ldo bytes apart).
+// (floats, ldo bytes apart), added to the sums there where `add`. `stream`: the weights are read for the last
+// time, and their tiles are loaded past L1 (TILELOADDT1), which leaves L1 to the rows' tiles that every panel
+// reads again (1 to 32 rows 2-8% faster).
 template <int R, int C>
 void tiles(const uint16_t* const (&a)[2], const int64_t (&lda)[2], const uint16_t* b, int64_t ldb, int64_t k_pairs,
-           float* out, int64_t ldo, NextPanel& next) {
-  _tile_zero(0);
-  if (C > 1) _tile_zero(1);
-  if (R > 1) _tile_zero(2);
-  if (R > 1 && C > 1) _tile_zero(3);
+           float* out, int64_t ldo, bool add, bool stream, NextPanel& next) {
+  auto* o = reinterpret_cast<char*>(out);
+  if (add) {
+    _tile_loadd(0, o, ldo);
+    if (C > 1) _tile_loadd(1, o + 64, ldo);
+    if (R > 1) _tile_loadd(2, o + kTile * ldo, ldo);
+    if (R > 1 && C > 1) _tile_loadd(3, o + kTile * ldo + 64, ldo);
+  } else {
+    _tile_zero(0);
+    if (C > 1) _tile_zero(1);
+    if (R > 1) _tile_zero(2);
+    if (R > 1 && C > 1) _tile_zero(3);
+  }
   const auto* wa0 = reinterpret_cast<const char*>(a[0]);
   const auto* wa1 = reinterpret_cast<const char*>(a[1]);
   const auto* wb = reinterpret_cast<const char*>(b);
@@ -104,16 +119,18 @@ void tiles(const uint16_t* const (&a)[2], const int64_t (&lda)[2], const uint16_
     const char* bk = wb + kp * ldb;
     _tile_loadd(4, wa0 + kp * 4, lda[0]);  // two bfloat16 a pair
     if (R > 1) _tile_loadd(5, wa1 + kp * 4, lda[1]);
-    // The weights' tiles loaded past L1 (TILELOADDT1): each line is read once, and kept out of L1 it leaves the
-    // rows' tiles there, which every panel reads again (1 to 32 rows 2-8% faster).
-    _tile_stream_loadd(6, bk, ldb);
-    if (C > 1) _tile_stream_loadd(7, bk + 64, ldb);
+    if (stream) {
+      _tile_stream_loadd(6, bk, ldb);
+      if (C > 1) _tile_stream_loadd(7, bk + 64, ldb);
+    } else {
+      _tile_loadd(6, bk, ldb);
+      if (C > 1) _tile_loadd(7, bk + 64, ldb);
+    }
     _tile_dpbf16ps(0, 4, 6);
     if (C > 1) _tile_dpbf16ps(1, 4, 7);
     if (R > 1) _tile_dpbf16ps(2, 5, 6);
     if (R > 1 && C > 1) _tile_dpbf16ps(3, 5, 7);
   }
-  auto* o = reinterpret_cast<char*>(out);
   _tile_stored(0, o, ldo);
   if (C > 1) _tile_stored(1, o + 64, ldo);
   if (R > 1) _tile_stored(2, o + kTile * ldo, ldo);
@@ -188,7 +205,11 @@ void panel_linear_bf16_amx(const uint16_t* x, int64_t rows, int64_t k_size, int6
   const int64_t ldb = panel * 4;  // bytes a panel row: P columns of a pair of bfloat16
   // The tiles' steps over a panel: a pass of up to two row tiles, a pair of column tiles, 32 values of k at a time.
   const int64_t panel_lines = panel * k_size * 2 / 64;
-  const int64_t steps = (padded + 2 * kTile - 1) / (2 * kTile) * ((col_tiles + 1) / 2) * (k_pairs / kPairsStep);
+  const int64_t passes = (padded + 2 * kTile - 1) / (2 * kTile);
+  const int64_t steps = passes * ((col_tiles + 1) / 2) * (k_pairs / kPairsStep);
+  // Past 32 rows a panel takes more than one pass: K a chunk at a time, every pass over the chunk while its
+  // weights are in L1, the sums stored between chunks. One pass takes K whole.
+  const int64_t chunk = passes > 1 ? kChunkPairs : k_pairs;
   at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(padded * panel);
     const int64_t ldo = panel * 4;
@@ -198,24 +219,28 @@ void panel_linear_bf16_amx(const uint16_t* x, int64_t rows, int64_t k_size, int6
       const auto* following = reinterpret_cast<const char*>(base + panel * k_size);
       NextPanel next{following, unit + 1 < end ? following + panel_lines * 64 : following,
                      (panel_lines + steps - 1) / steps};
-      for (int64_t r0 = 0; r0 < padded;) {
-        // Two row tiles a pass where two are left (each in x or in the tail: 17 rows as 16 in place and 1
-        // copied, in one pass over the weights), else one.
-        const uint16_t* a[2] = {};
-        int64_t lda_of[2] = {};
-        a[0] = row_group(r0, &lda_of[0]);
-        const bool two = r0 + kTile < padded;
-        if (two) a[1] = row_group(r0 + kTile, &lda_of[1]);
-        for (int64_t c = 0; c < col_tiles; c += 2) {
-          const uint16_t* b = base + c * kTile * 2;
-          float* o = sums.data() + r0 * panel + c * kTile;
-          const bool pair = c + 1 < col_tiles;
-          if (two && pair) tiles<2, 2>(a, lda_of, b, ldb, k_pairs, o, ldo, next);
-          else if (two) tiles<2, 1>(a, lda_of, b, ldb, k_pairs, o, ldo, next);
-          else if (pair) tiles<1, 2>(a, lda_of, b, ldb, k_pairs, o, ldo, next);
-          else tiles<1, 1>(a, lda_of, b, ldb, k_pairs, o, ldo, next);
+      for (int64_t kp0 = 0; kp0 < k_pairs; kp0 += chunk) {
+        const int64_t kn = std::min(chunk, k_pairs - kp0);
+        for (int64_t r0 = 0; r0 < padded;) {
+          // Two row tiles a pass where two are left (each in x or in the tail: 17 rows as 16 in place and 1
+          // copied, in one pass over the weights), else one.
+          const uint16_t* a[2] = {};
+          int64_t lda_of[2] = {};
+          a[0] = row_group(r0, &lda_of[0]) + kp0 * 2;
+          const bool two = r0 + kTile < padded;
+          if (two) a[1] = row_group(r0 + kTile, &lda_of[1]) + kp0 * 2;
+          const bool last = r0 + (two ? 2 : 1) * kTile >= padded;
+          for (int64_t c = 0; c < col_tiles; c += 2) {
+            const uint16_t* b = base + kp0 * panel * 2 + c * kTile * 2;
+            float* o = sums.data() + r0 * panel + c * kTile;
+            const bool pair = c + 1 < col_tiles, add = kp0 > 0;
+            if (two && pair) tiles<2, 2>(a, lda_of, b, ldb, kn, o, ldo, add, last, next);
+            else if (two) tiles<2, 1>(a, lda_of, b, ldb, kn, o, ldo, add, last, next);
+            else if (pair) tiles<1, 2>(a, lda_of, b, ldb, kn, o, ldo, add, last, next);
+            else tiles<1, 1>(a, lda_of, b, ldb, kn, o, ldo, add, last, next);
+          }
+          r0 += two ? 2 * kTile : kTile;
         }
-        r0 += two ? 2 * kTile : kTile;
       }
       const int64_t col = unit * panel;
       for (int64_t r = 0; r < rows; ++r) {

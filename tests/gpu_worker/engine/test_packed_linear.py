@@ -131,9 +131,17 @@ def test_a_bf16_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool) ->
         together = packed(x)
         for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(60, 73), slice(0, 128, 2)):
             assert torch.equal(packed(x[rows]), together[rows]), rows
-    if kernels.amx_ready():  # AMX tiles up to 32 rows (oneDNN's sums beyond are in another order)
-        together = packed(x[:32])
-        for rows in (slice(0, 1), slice(3, 7), slice(5, 12), slice(15, 32), slice(0, 32, 2)):
+    if kernels.amx_ready():  # AMX tiles up to 64 rows (oneDNN's sums beyond are in another order)
+        together = packed(x[:64])
+        for rows in (
+            slice(0, 1),
+            slice(3, 7),
+            slice(5, 12),
+            slice(15, 32),
+            slice(0, 32, 2),
+            slice(0, 33),
+            slice(9, 64),
+        ):
             assert torch.equal(packed(x[rows]), together[rows]), rows
 
 
@@ -144,7 +152,8 @@ def amx_panelled(linear: nn.Linear) -> PackedLinear:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("num_rows", [1, 5, 15, 16, 17, 31, 32])  # tiles of 16 rows: whole, partial, both
+# Tiles of 16 rows: whole, partial, both; one pass over the weights, or two over chunks of K.
+@pytest.mark.parametrize("num_rows", [1, 5, 15, 16, 17, 31, 32, 33, 48, 63, 64])
 def test_the_amx_tiles_agree_with_the_avx512_bf16_tiles(num_rows: int, bias: bool) -> None:
     """Both round each output's float32 sum once; they add the pairs in another order, so they differ only
     where that crosses a rounding boundary, by one bf16 step."""
