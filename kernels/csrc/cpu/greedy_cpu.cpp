@@ -37,7 +37,7 @@ int64_t first_max(const T* row, int64_t n) {
   __m256 nans = _mm256_setzero_ps();
   for (; d + kLanes <= n; d += kLanes) {
     const __m256 v = load8(row + d);
-    bests = _mm256_max_ps(bests, v);  // a NaN in v leaves the lane's best as it was
+    bests = _mm256_max_ps(bests, v);  // a NaN may take a lane's place; the row's answer is then its first NaN
     nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   }
   alignas(32) float lanes[kLanes];
