@@ -4,6 +4,9 @@ bfloat16, where they must round as transformers does."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import Tensor
@@ -90,27 +93,40 @@ def test_silu_and_mul_holds_at_the_ends_of_the_exponential(ops: object, dtype: t
     assert out[0, 0].isnan() and not out[0, 1].isnan()
 
 
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return torch.equal(a.view(bits), b.view(bits))
+
+
+def assert_avx512_gives_avx2_bits(run: Callable[[], tuple[Tensor, ...]]) -> None:
+    """run() (fresh outputs each call) in the ops' AVX2 loops, then in their AVX-512 loops: the same bits."""
+    if load_cpu_extension() is None or not torch.cpu._is_avx512_supported():
+        pytest.skip("no AVX-512 CPU kernels here")
+    results = []
+    for wide in (False, True):
+        with kernels.avx512(wide):
+            results.append(run())
+    assert all(_same_bits(a, b) for a, b in zip(*results, strict=True))
+
+
+def _silu_of(gate_up: Tensor) -> tuple[Tensor, ...]:
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    kernels.silu_and_mul(out, gate_up)
+    return (out,)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_has_the_same_bits_in_its_avx512_and_avx2_loops(dtype: torch.dtype) -> None:
     """The AVX-512 loop takes 16 values a step and leaves the rest of a row to the eight-lane one; NaN, the
     infinities, the exponential's ends and both zeros in the lanes, rows of every length around 16."""
-    if load_cpu_extension() is None or not torch.cpu._is_avx512_supported():
-        pytest.skip("no AVX-512 CPU kernels here")
     torch.manual_seed(3)
     specials = torch.tensor(
         [float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 0.0, -0.0, 88.5, -88.5]
     )
-    bits = torch.int32 if dtype == torch.float32 else torch.int16
     for n in (1, 15, 16, 17, 40, 1536):
         gate_up = (torch.randn(5, 2 * n) * 6).to(dtype)
         gate_up[0, : min(n, specials.numel())] = specials[:n].to(dtype)
-        outs = []
-        for wide in (False, True):
-            out = torch.empty(5, n, dtype=dtype)
-            with kernels.avx512(wide):
-                kernels.silu_and_mul(out, gate_up)
-            outs.append(out.view(bits))
-        assert torch.equal(outs[0], outs[1])
+        assert_avx512_gives_avx2_bits(functools.partial(_silu_of, gate_up))
 
 
 def _rotary_inputs(
@@ -173,46 +189,37 @@ def test_the_kernels_refuse_what_they_cannot_take() -> None:
         ops.rotary_write_kv(q, k, v, cos, sin, cache, cache.clone(), torch.tensor([0, 8]))
 
 
-def _same_bits(a: Tensor, b: Tensor) -> bool:
-    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
-    return torch.equal(a.view(bits), b.view(bits))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [8, 20, 64, 576])
 def test_the_norms_have_the_same_bits_in_their_avx512_and_avx2_loops(dtype: torch.dtype, n: int) -> None:
     """Rows of 16 values a step and the rest by eight or one: the sum, its squares and the scaled row."""
-    if load_cpu_extension() is None or not torch.cpu._is_avx512_supported():
-        pytest.skip("no AVX-512 CPU kernels here")
     torch.manual_seed(n)
     x, residual, weight = (
         (torch.randn(5, n) * 3).to(dtype),
         torch.randn(5, n).to(dtype),
         torch.randn(n).to(dtype),
     )
-    results = []
-    for wide in (False, True):
+
+    def norms() -> tuple[Tensor, ...]:
         out, x_i, residual_i = torch.empty_like(x), x.clone(), residual.clone()
-        with kernels.avx512(wide):
-            kernels.rms_norm(out, x, weight, EPS)
-            kernels.add_rms_norm(x_i, residual_i, weight, EPS)
-        results.append((out, x_i, residual_i))
-    assert all(_same_bits(a, b) for a, b in zip(*results))
+        kernels.rms_norm(out, x, weight, EPS)
+        kernels.add_rms_norm(x_i, residual_i, weight, EPS)
+        return out, x_i, residual_i
+
+    assert_avx512_gives_avx2_bits(norms)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [16, 32, 64, 128])
 def test_rotary_has_the_same_bits_in_its_avx512_and_avx2_loops(dtype: torch.dtype, dim: int) -> None:
     """Heads whose halves are a multiple of 16 rotate 16 lanes a step; the others go the other way."""
-    if load_cpu_extension() is None or not torch.cpu._is_avx512_supported():
-        pytest.skip("no AVX-512 CPU kernels here")
     torch.manual_seed(dim)
     q, k, v, cos, sin = _rotary_inputs(dtype, 9, 3, 1, dim)
-    results = []
-    for wide in (False, True):
+
+    def rotary() -> tuple[Tensor, ...]:
         q_i, k_cache = q.clone(), torch.zeros(2, 16, 1, dim, dtype=dtype)
         v_cache = torch.zeros_like(k_cache)
-        with kernels.avx512(wide):
-            kernels.rotary_write_kv(q_i, k, v, cos, sin, k_cache, v_cache, torch.arange(9))
-        results.append((q_i, k_cache, v_cache))
-    assert all(_same_bits(a, b) for a, b in zip(*results))
+        kernels.rotary_write_kv(q_i, k, v, cos, sin, k_cache, v_cache, torch.arange(9))
+        return q_i, k_cache, v_cache
+
+    assert_avx512_gives_avx2_bits(rotary)

@@ -30,6 +30,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "cpu_math_avx512.h"
 #endif
 
 namespace pagedserve_cpu_panel {
@@ -160,18 +162,10 @@ void release() { _tile_release(); }
 // to[j] = sums[j] (+ bias[j]) rounded to bfloat16 for j < count (a multiple of 16), with the bits of
 // pagedserve_cpu_math::bf16_bits: to nearest, ties to even, any NaN as the quiet 0x7FC0.
 void round_row(const float* sums, const float* bias, int64_t count, uint16_t* to) {
-  const __m512i lsb = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
-  const __m512i quiet = _mm512_set1_epi32(0x7FC0);
   for (int64_t j = 0; j < count; j += 16) {
-    __m512 v = _mm512_loadu_ps(sums + j);
-    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), lsb);
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, magnitude), infinity);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, quiet);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + j), _mm512_cvtepi32_epi16(rounded));
+    __m512 v = pagedserve_cpu_math_avx512::load16(sums + j);
+    if (bias) v = _mm512_add_ps(v, pagedserve_cpu_math_avx512::load16(bias + j));
+    pagedserve_cpu_math_avx512::store16(to + j, v);
   }
 }
 
