@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/cpu_kernel_bench.py                 # the grid in the README
     .venv/bin/python benchmarks/cpu_kernel_bench.py --batches 8 --contexts 256 --layers 4
     .venv/bin/python benchmarks/cpu_kernel_bench.py --pool-gib 1 --dtype bfloat16   # the engine's pool
+    .venv/bin/python benchmarks/cpu_kernel_bench.py --batches 1 --contexts 128 --head-rows 1 \
+        --prefill-lengths 32 128 512 768 1024 2048                   # prefill attention too
 
 Decode attention at SmolLM2's shape (9 query heads over 3 KV heads, head size 64, block size 16, fp32 or
 --dtype), every sequence's blocks shuffled through the pool: the C++ kernel (torch.ops.pagedserve_cpu) against
@@ -11,9 +13,12 @@ forward pass reads every layer's K/V once, so caches are cold as in a model; the
 --repeats. By default each layer's pool holds just the batch's blocks; --pool-gib G takes them instead at
 random from the engine's own pool (KVCache, in transparent huge pages where Linux grants them) of G GiB over
 all layers, as a serving engine's blocks lie.
+With --prefill-lengths, prefill attention too: chunks of each length (after --prefill-prefix cached tokens),
+as many as make --prefill-tokens, every token through the C++ kernel
+(torch.ops.pagedserve_cpu.paged_attention) against the twin's SDPA over each chunk's gathered context.
 The LM head ([vocab, hidden] = [49152, 576]): F.linear against PackedLinear (oneDNN, weight packed once) for a
 few row counts.
-Prints both tables; writes JSON.
+Prints the tables; writes JSON.
 """
 
 from __future__ import annotations
@@ -93,6 +98,38 @@ def attention_case(
             "speedup": twin_ms / kernel_ms}  # fmt: skip
 
 
+def prefill_case(
+    length: int, prefix: int, tokens: int, layers: int, repeats: int, pool_gib: float, dtype: torch.dtype
+) -> dict[str, Any]:
+    """Prefill chunks of `length` new tokens after `prefix` cached ones, as many as make `tokens` (at least
+    one): the C++ kernel taking every token of them against the twin (SDPA over each chunk's gathered
+    context)."""
+    seqs = max(1, tokens // length)
+    blocks_per_seq = -(-(prefix + length) // BLOCK_SIZE)
+    caches = pools(seqs * blocks_per_seq, layers, pool_gib, dtype)
+    chosen = torch.randperm(caches[0][0].shape[0], dtype=torch.int32)[: seqs * blocks_per_seq]
+    block_table = chosen.view(seqs, blocks_per_seq).contiguous()
+    seq_lens = torch.full((seqs,), prefix + length, dtype=torch.int32)
+    query_start_loc = torch.arange(0, seqs * length + 1, length, dtype=torch.int32)
+    query = torch.randn(seqs * length, NUM_HEADS, HEAD_SIZE, dtype=dtype)
+    out_kernel, out_twin = torch.empty_like(query), torch.empty_like(query)
+    meta = (block_table, seq_lens, query_start_loc, HEAD_SIZE**-0.5)
+
+    def kernel() -> None:
+        for k, v in caches:
+            torch.ops.pagedserve_cpu.paged_attention(out_kernel, query, k, v, *meta, length)
+
+    def twin() -> None:
+        for k, v in caches:
+            reference.prefill_attention(out_twin, query, k, v, *meta)
+
+    kernel_ms, twin_ms = best_ms(kernel, repeats) / layers, best_ms(twin, repeats) / layers
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out_kernel, out_twin, atol=tolerance, rtol=tolerance)
+    return {"length": length, "prefix": prefix, "sequences": seqs, "kernel_ms": kernel_ms, "twin_ms": twin_ms,
+            "speedup": twin_ms / kernel_ms}  # fmt: skip
+
+
 def lm_head_case(rows: int, repeats: int, weight: torch.Tensor) -> dict[str, Any]:
     x = torch.randn(1, rows, weight.shape[1])
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
@@ -116,15 +153,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="K, V, queries")
     parser.add_argument("--pool-gib", type=float, default=0, help="blocks from the engine's pool, this big")
+    parser.add_argument(
+        "--prefill-lengths",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also prefill attention: chunks of these many new tokens, each as many as make --prefill-tokens",
+    )
+    parser.add_argument("--prefill-prefix", type=int, default=0, help="cached tokens before each chunk")
+    parser.add_argument("--prefill-tokens", type=int, default=2048, help="new tokens a prefill call takes")
     parser.add_argument("--json", default="benchmarks/results/cpu_kernel_bench.json")
     args = parser.parse_args(argv)
     with torch.inference_mode():
         dtype = getattr(torch, args.dtype)
         assert kernels.load(torch.device("cpu"), dtype), "the CPU kernel did not build; see the log"
+        common = (args.layers, args.repeats, args.pool_gib, dtype)
         attention = [
             attention_case(b, c, args.layers, args.repeats, args.pool_gib, dtype)
             for b in args.batches
             for c in args.contexts
+        ]
+        prefill = [
+            prefill_case(n, args.prefill_prefix, args.prefill_tokens, *common) for n in args.prefill_lengths
         ]
         weight = torch.randn(args.vocab, HIDDEN)
         lm_head = [lm_head_case(r, args.repeats, weight) for r in args.head_rows]
@@ -134,6 +184,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in attention:
         row = f"{r['batch']:5d} {r['context']:7d} {r['kernel_ms']:10.3f} {r['twin_ms']:8.3f}"
         print(f"{row} {r['speedup']:7.1f}x")
+    if prefill:
+        print(f"prefill attention per layer, {args.prefill_prefix} cached tokens before each chunk")
+        print(f"{'chunk':>6} {'chunks':>6} {'kernel ms':>10} {'twin ms':>8} {'speedup':>8}")
+        for r in prefill:
+            row = f"{r['length']:6d} {r['sequences']:6d} {r['kernel_ms']:10.3f} {r['twin_ms']:8.3f}"
+            print(f"{row} {r['speedup']:7.2f}x")
     print(f"LM head [{args.vocab}, {HIDDEN}]")
     print(f"{'rows':>5} {'F.linear ms':>12} {'packed ms':>11} {'speedup':>8}")
     for r in lm_head:
@@ -142,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "args": vars(args),
         "threads": torch.get_num_threads(),
         "attention": attention,
+        "prefill": prefill,
         "lm_head": lm_head,
     }
     out = Path(args.json)

@@ -81,11 +81,13 @@ def prefill_attention(
     seq_lens: Tensor,  # [num_seqs] int32, cached context + this step's tokens
     query_start_loc: Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     scale: float,
+    longer_than: int = 1,
 ) -> None:
-    """paged_attention of the sequences with more than one new token; decode rows of out are untouched."""
+    """paged_attention of the sequences with more than longer_than new tokens; the other rows of out are
+    untouched."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    prefills = [s for s in range(len(lens)) if starts[s + 1] - starts[s] > 1]
+    prefills = [s for s in range(len(lens)) if starts[s + 1] - starts[s] > longer_than]
     _prefill_each(out, query, k_cache, v_cache, block_table, seq_lens, starts, lens, prefills, scale)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -116,6 +117,42 @@ def test_batch_shapes(num_heads: int, num_kv_heads: int, specs: list[tuple[int, 
     """Batches that take only one path (all decodes, only prefills) or sit exactly on block boundaries."""
     batch = make_batch(specs, num_heads, num_kv_heads, 32, 16, seed=len(specs) * 7 + num_heads)
     run_and_check(batch, 0.125, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_takes_prefill_chunks_up_to_its_limit(
+    implementation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU the kernel takes every token of the prefill chunks up to CPU_PREFILL_KERNEL_TOKENS, each
+    over its context up to itself; longer chunks, in the same batch, go to the twin's SDPA and their rows are
+    left to it."""
+    if implementation == "torch":
+        pytest.skip("the pure-torch ops take every chunk")
+    monkeypatch.setattr(kernels, "CPU_PREFILL_KERNEL_TOKENS", 8)
+    to_twin: list[int] = []
+    prefill_each = reference._prefill_each
+
+    def counting(*args: Any) -> None:
+        starts, prefills = args[6], args[8]
+        to_twin.extend(starts[s + 1] - starts[s] for s in prefills)
+        prefill_each(*args)
+
+    monkeypatch.setattr(reference, "_prefill_each", counting)
+    specs = [(5, 1), (0, 8), (17, 3), (0, 37), (9, 20), (30, 2)]
+    batch = make_batch(specs, 9, 3, 64, 16, seed=11)
+    run_and_check(batch, 0.125, atol=1e-5, rtol=1e-5)
+    assert sorted(to_twin) == [20, 37]
+
+    out = torch.full_like(batch.query, float("nan"))
+    ops = load_cpu_extension()
+    ops.paged_attention(out, batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
+                        batch.query_start_loc, 0.125, 8)  # fmt: skip
+    starts = batch.query_start_loc.tolist()
+    for s, (_, new) in enumerate(specs):
+        rows = out[starts[s] : starts[s + 1]]
+        assert bool(rows.isnan().all()) == (new > 8), f"chunk {s} of {new} tokens"
+    with pytest.raises(RuntimeError, match="longest must be at least 1"):
+        ops.paged_attention(out, batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
+                            batch.query_start_loc, 0.125, 0)  # fmt: skip
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])

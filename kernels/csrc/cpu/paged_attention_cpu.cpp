@@ -94,20 +94,28 @@ void check_float(const Tensor& t, const char* name, at::ScalarType dtype) {
   PAGEDSERVE_CHECK(t.stride(-1) == 1, name, " must be contiguous in head_size");
 }
 
-template <typename T>
-void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
-            const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc, double scale);
+// One query token: its sequence, its row of query and out, and the context it attends over (the sequence's
+// tokens up to and including its own).
+struct Query {
+  int64_t seq, token, ctx;
+};
 
-// Every sequence with exactly one new query token attends over its whole context; sequences with more are
-// skipped (their rows of out are left as they are).
-void paged_attention_decode(Tensor& out,                    // [num_tokens, num_heads, head_size]
-                            const Tensor& query,            // [num_tokens, num_heads, head_size]
-                            const Tensor& k_cache,          // [num_blocks, block_size, num_kv_heads, head_size]
-                            const Tensor& v_cache,          // [num_blocks, block_size, num_kv_heads, head_size]
-                            const Tensor& block_table,      // [num_seqs, max_num_blocks_per_seq] int32
-                            const Tensor& seq_lens,         // [num_seqs] int32
-                            const Tensor& query_start_loc,  // [num_seqs + 1] int32
-                            double scale) {
+template <typename T>
+void attend(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+            const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc, double scale,
+            int64_t longest);
+
+// Each query token of every sequence with at most `longest` new tokens attends over its context up to itself
+// (causal); sequences with more are skipped (their rows of out are left as they are). longest 1: the decodes.
+void paged_attention_upto(Tensor& out,                    // [num_tokens, num_heads, head_size]
+                          const Tensor& query,            // [num_tokens, num_heads, head_size]
+                          const Tensor& k_cache,          // [num_blocks, block_size, num_kv_heads, head_size]
+                          const Tensor& v_cache,          // [num_blocks, block_size, num_kv_heads, head_size]
+                          const Tensor& block_table,      // [num_seqs, max_num_blocks_per_seq] int32
+                          const Tensor& seq_lens,         // [num_seqs] int32, cached context + new tokens
+                          const Tensor& query_start_loc,  // [num_seqs + 1] int32
+                          double scale, int64_t longest) {
+  PAGEDSERVE_CHECK(longest >= 1, "longest must be at least 1, got ", longest);
   const auto dtype = query.scalar_type();
   PAGEDSERVE_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "query must be float32 or bfloat16, got ",
                    dtype);
@@ -133,10 +141,25 @@ void paged_attention_decode(Tensor& out,                    // [num_tokens, num_
                    "block_table, seq_lens and query_start_loc disagree on the number of sequences");
 
   if (dtype == at::kFloat) {
-    decode<float>(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale);
+    attend<float>(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, longest);
   } else {
-    decode<c10::BFloat16>(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale);
+    attend<c10::BFloat16>(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, longest);
   }
+}
+
+// Every sequence with exactly one new query token attends over its whole context; sequences with more are
+// skipped.
+void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+                            const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc,
+                            double scale) {
+  paged_attention_upto(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, 1);
+}
+
+// Every query token, of decodes and of prefill chunks of up to `longest` tokens.
+void paged_attention_cpu(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+                         const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc,
+                         double scale, int64_t longest) {
+  paged_attention_upto(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, longest);
 }
 
 // What the decode loops read and write: the step's tensors as pointers and strides (elements).
@@ -147,8 +170,6 @@ struct Pool {
   const T* k;
   const T* v;
   const int32_t* table;
-  const int32_t* lens;
-  const int32_t* starts;
   int64_t max_blocks, block_size, num_kv_heads, head_size, group;
   int64_t q_token, q_head, o_token, o_head, c_block, c_token, c_head;
   float scale;
@@ -174,18 +195,18 @@ struct Pool {
 // Each head's scores padded to the exponential's width, the padding -inf (its weights come out 0).
 inline int64_t padded(int64_t ctx) { return (ctx + kExpWidth - 1) / kExpWidth * kExpWidth; }
 
-// The AVX-512 loops (paged_attention_avx512.cpp). One work item per sequence, all its KV heads (each block's
-// rows read whole), or per sequence and KV head when there are too few sequences to keep every thread busy (a
-// single long context); each thread takes a share of the items of about equal work (their contexts).
+// The AVX-512 loops (paged_attention_avx512.cpp). One work item per query token, all its KV heads (each
+// block's rows read whole), or per query token and KV head when there are too few tokens to keep every thread
+// busy (a single long context); each thread takes a share of the items of about equal work (their contexts).
 template <typename T>
-void decode_avx512(const Pool<T>& p, const std::vector<int64_t>& decodes) {
+void attend_avx512(const Pool<T>& p, const std::vector<Query>& queries) {
   const int64_t threads = at::get_num_threads(), num_kv_heads = p.num_kv_heads, head_size = p.head_size;
-  const int64_t per_item = static_cast<int64_t>(decodes.size()) >= 2 * threads ? num_kv_heads : 1;
-  const int64_t items = static_cast<int64_t>(decodes.size()) * (num_kv_heads / per_item);
+  const int64_t per_item = static_cast<int64_t>(queries.size()) >= 2 * threads ? num_kv_heads : 1;
+  const int64_t items = static_cast<int64_t>(queries.size()) * (num_kv_heads / per_item);
   const int64_t heads = per_item * p.group;
-  const auto sequence = [&](int64_t item) { return decodes[item * per_item / num_kv_heads]; };
+  const auto query_of = [&](int64_t item) -> const Query& { return queries[item * per_item / num_kv_heads]; };
   const std::vector<std::vector<int64_t>> shares =
-      balance(items, threads, [&](int64_t item) { return static_cast<int64_t>(p.lens[sequence(item)]); });
+      balance(items, threads, [&](int64_t item) { return query_of(item).ctx; });
   at::parallel_for(0, static_cast<int64_t>(shares.size()), 1, [&](int64_t first_share, int64_t last_share) {
     std::vector<float> scores, sums(heads), acc(heads * head_size), q(heads * head_size);
     // An item's first query head, the offset of its first KV head in a row, and its first K block there (the
@@ -193,13 +214,14 @@ void decode_avx512(const Pool<T>& p, const std::vector<int64_t>& decodes) {
     const auto first_head = [&](int64_t item) { return item * per_item % num_kv_heads * p.group; };
     const auto kv_offset = [&](int64_t item) { return first_head(item) / p.group * p.c_head; };
     const auto first_k = [&](int64_t item) {
-      return p.k + kv_offset(item) + static_cast<int64_t>(p.table[sequence(item) * p.max_blocks]) * p.c_block;
+      return p.k + kv_offset(item) + static_cast<int64_t>(p.table[query_of(item).seq * p.max_blocks]) * p.c_block;
     };
     for (int64_t share = first_share; share < last_share; ++share) {
       const std::vector<int64_t>& mine = shares[share];
       for (size_t i = 0; i < mine.size(); ++i) {
-        const int64_t item = mine[i], s = sequence(item), head = first_head(item);
-        const int64_t ctx = p.lens[s], token = p.starts[s], stride = padded(ctx);
+        const int64_t item = mine[i], head = first_head(item);
+        const Query& query = query_of(item);
+        const int64_t s = query.seq, ctx = query.ctx, token = query.token, stride = padded(ctx);
         p.load_queries(token, head, heads, q.data());
         scores.assign(heads * stride, -std::numeric_limits<float>::infinity());
         const pagedserve_cpu_attention::Rows rows{
@@ -216,18 +238,18 @@ void decode_avx512(const Pool<T>& p, const std::vector<int64_t>& decodes) {
   });
 }
 
-// The AVX2 loops. One work item per sequence: its K rows, then its V rows, are read in order, all KV heads of a
-// token at once (one contiguous row of the block), so each cache line is fetched once and the prefetcher sees a
-// stream.
+// The AVX2 loops. One work item per query token: its K rows, then its V rows, are read in order, all KV heads
+// of a token at once (one contiguous row of the block), so each cache line is fetched once and the prefetcher
+// sees a stream.
 template <typename T>
-void decode_avx2(const Pool<T>& p, const std::vector<int64_t>& decodes) {
+void attend_avx2(const Pool<T>& p, const std::vector<Query>& queries) {
   const int64_t num_heads = p.num_kv_heads * p.group, head_size = p.head_size;
-  at::parallel_for(0, static_cast<int64_t>(decodes.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(queries.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, sums(num_heads), acc(num_heads * head_size), q(num_heads * head_size);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = decodes[item];
-      const int64_t ctx = p.lens[s], token = p.starts[s], stride = padded(ctx);
-      const int32_t* row = p.table + s * p.max_blocks;
+      const Query& query = queries[item];
+      const int64_t ctx = query.ctx, token = query.token, stride = padded(ctx);
+      const int32_t* row = p.table + query.seq * p.max_blocks;
       p.load_queries(token, 0, num_heads, q.data());
       scores.assign(num_heads * stride, -std::numeric_limits<float>::infinity());
       // Pass 1: scores of every query head against every K row.
@@ -257,8 +279,9 @@ void decode_avx2(const Pool<T>& p, const std::vector<int64_t>& decodes) {
 }
 
 template <typename T>
-void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
-            const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc, double scale) {
+void attend(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+            const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc, double scale,
+            int64_t longest) {
   const int64_t num_seqs = seq_lens.size(0), num_heads = query.size(1);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   const int64_t num_kv_heads = k_cache.size(2), head_size = k_cache.size(3);
@@ -266,25 +289,29 @@ void decode(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t max_blocks = block_table.size(1);
-  std::vector<int64_t> decodes;
+  PAGEDSERVE_CHECK(starts[0] == 0 && starts[num_seqs] <= query.size(0), "query_start_loc must run from 0 to at most ",
+                   query.size(0), " tokens");
+  std::vector<Query> queries;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    if (starts[s + 1] - starts[s] != 1) continue;
-    PAGEDSERVE_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "sequence ", s, " has context ",
-                     lens[s], " beyond its ", max_blocks, " blocks of ", block_size);
+    const int64_t new_tokens = starts[s + 1] - starts[s];
+    if (new_tokens < 1 || new_tokens > longest) continue;
+    PAGEDSERVE_CHECK(lens[s] >= new_tokens && lens[s] <= max_blocks * block_size, "sequence ", s, " has context ",
+                     lens[s], " for ", new_tokens, " new tokens and ", max_blocks, " blocks of ", block_size);
     for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
       const int32_t block = table[s * max_blocks + b];
       PAGEDSERVE_CHECK(block >= 0 && block < num_blocks, "sequence ", s, " maps to block ", block);
     }
-    decodes.push_back(s);
+    // The i-th new token sees the cached context and the new tokens up to itself.
+    for (int64_t i = 0; i < new_tokens; ++i) queries.push_back({s, starts[s] + i, lens[s] - new_tokens + 1 + i});
   }
   const Pool<T> pool{query.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                     table, lens, starts, max_blocks, block_size, num_kv_heads, head_size,
+                     table, max_blocks, block_size, num_kv_heads, head_size,
                      num_heads / num_kv_heads, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
   if (pagedserve_cpu_features::avx512_enabled() && head_size % 16 == 0 && head_size <= 128) {
-    decode_avx512(pool, decodes);
+    attend_avx512(pool, queries);
   } else {
-    decode_avx2(pool, decodes);
+    attend_avx2(pool, queries);
   }
 }
 
@@ -294,8 +321,16 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+  // The same for every query token of the decodes and of the prefill chunks of up to `longest` tokens, each
+  // over its context up to itself; longer chunks' rows of out are left as they are.
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int longest) -> ()");
   // The kernels' AVX-512 loops on or off (cpu_features.h); returns whether they were on.
   m.def("set_avx512(bool enabled) -> bool", TORCH_FN(pagedserve_cpu_features::set_avx512));
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention_decode", &paged_attention_decode); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_attention_decode", &paged_attention_decode);
+  m.impl("paged_attention", &paged_attention_cpu);
+}
