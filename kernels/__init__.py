@@ -46,9 +46,9 @@ CPU_DTYPES = (torch.float32, torch.bfloat16)
 # The CPU kernel's head size: a multiple of its vector width (kLanes in csrc/cpu/paged_attention_cpu.cpp).
 CPU_HEAD_SIZE_MULTIPLE = 8
 # On the CPU, prefill chunks of up to this many tokens go through the C++ kernel too, each token attending as
-# a decode over its context up to itself: 1.2x to 5x faster than SDPA over the gathered context from 512 down
-# to 32 tokens a chunk, level at 1024, slower past it, where SDPA's blocked matmuls win
-# (benchmarks/cpu_kernel_bench.py --prefill-lengths ...).
+# a decode over its context up to itself (four tokens to a pass over K and V): 1.5x to 6x faster than SDPA
+# over the gathered context from 512 down to 32 tokens a chunk, 1.15x at 1024, level at 2048, where SDPA's
+# blocked matmuls catch up (benchmarks/cpu_kernel_bench.py --prefill-lengths ...).
 CPU_PREFILL_KERNEL_TOKENS = 1024
 
 

@@ -155,6 +155,30 @@ def test_cpu_kernel_takes_prefill_chunks_up_to_its_limit(
                             batch.query_start_loc, 0.125, 0)  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_prefill_tokens_give_their_decodes_bits(implementation: str, dtype: torch.dtype) -> None:
+    """In the CPU kernel a prefill chunk's token gives the bits it gives as a decode over its own context:
+    taken with the tokens after it (whose positions it gives weight 0), none of its sums changes."""
+    if implementation == "torch":
+        pytest.skip("the CPU kernel's own paths")
+    specs = [(0, 11), (21, 6), (5, 1), (0, 3)]
+    batch = make_batch(specs, 9, 3, 64, 16, seed=5, dtype=dtype)
+    write_kv_cache(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.slot_mapping)
+    caches = (batch.k_cache, batch.v_cache)
+    ops = load_cpu_extension()
+    together = torch.empty_like(batch.query)
+    meta = (batch.block_table, batch.seq_lens, batch.query_start_loc, 0.125)
+    ops.paged_attention(together, batch.query, *caches, *meta, 64)
+    # Every token as a decode of its own, over the sequence's blocks up to itself.
+    rows = [(s, prefix + i + 1) for s, (prefix, new) in enumerate(specs) for i in range(new)]
+    table = batch.block_table[[s for s, _ in rows]].contiguous()
+    contexts = torch.tensor([ctx for _, ctx in rows], dtype=torch.int32)
+    alone = torch.empty_like(batch.query)
+    ops.paged_attention_decode(alone, batch.query, *caches, table, contexts,
+                               torch.arange(len(rows) + 1, dtype=torch.int32), 0.125)  # fmt: skip
+    assert torch.equal(together, alone)
+
+
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_half_precision(dtype: torch.dtype, atol: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ops run in the input dtype; results stay close to the float64 reference. bfloat16 decodes run in

@@ -1,10 +1,12 @@
-// Paged decode attention on the CPU: torch.ops.pagedserve_cpu.paged_attention_decode.
+// Paged attention on the CPU: torch.ops.pagedserve_cpu.paged_attention_decode (the decodes) and
+// torch.ops.pagedserve_cpu.paged_attention (the decodes and the prefill chunks up to a length, each new token a
+// query over its context up to itself).
 //
 // The pure-torch twin gathers every decode sequence's context into a padded copy and runs SDPA over it, which
 // on a CPU costs more than the attention itself. Here each (sequence, KV head) pair reads its K and V rows once,
-// straight from the pool through the block table, for all query heads that share that KV head. float32 and
-// bfloat16 (read as float, accumulated in float); the Python side keeps float16, and head sizes that are not a
-// multiple of 8, on the twin. Where the CPU has AVX-512 and the head size is a multiple of 16 up to 128, the
+// straight from the pool through the block table, for all query heads that share that KV head (and, in a
+// prefill chunk, for a few tokens at once). float32 and bfloat16 (read as float, accumulated in float); the
+// Python side keeps float16, and head sizes that are not a multiple of 8, on the twin. Where the CPU has AVX-512 and the head size is a multiple of 16 up to 128, the
 // loops of paged_attention_avx512.cpp run instead (PAGEDSERVE_AVX512=0 keeps these), with each thread's share
 // of the sequences balanced by their contexts.
 #include <ATen/ATen.h>
@@ -195,44 +197,83 @@ struct Pool {
 // Each head's scores padded to the exponential's width, the padding -inf (its weights come out 0).
 inline int64_t padded(int64_t ctx) { return (ctx + kExpWidth - 1) / kExpWidth * kExpWidth; }
 
-// The AVX-512 loops (paged_attention_avx512.cpp). One work item per query token, all its KV heads (each
-// block's rows read whole), or per query token and KV head when there are too few tokens to keep every thread
-// busy (a single long context); each thread takes a share of the items of about equal work (their contexts).
+// Prefill tokens of one sequence that the AVX-512 loops take as one work item: their K and V rows are read once
+// for all of them, the query heads of a token beside those of the next.
+constexpr int64_t kTokensTogether = 4;
+
+// A work item of the AVX-512 loops: `tokens` consecutive query tokens of a sequence from `token` on, the last
+// over ctx positions and each one before it over one fewer, against `kv_heads` KV heads from first_kv. Either
+// one token (a decode) or one KV head (a prefill run).
+struct Item {
+  int64_t seq, token, tokens, ctx, first_kv, kv_heads;
+};
+
+// The AVX-512 loops (paged_attention_avx512.cpp). A decode is one work item over all its KV heads (each
+// block's rows read whole), or one per KV head when there are too few tokens to keep every thread busy (a single
+// long context). A prefill chunk is one item per KV head and run of kTokensTogether tokens: the run's query heads
+// go through the loops as the heads of one query over the last token's context, and each earlier token's scores
+// past its own context are set to -inf before the softmax, so their weights come out 0 (the same sums, bit for
+// bit, as the token alone over its own context). Each thread takes a share of the items of about equal work.
 template <typename T>
 void attend_avx512(const Pool<T>& p, const std::vector<Query>& queries) {
   const int64_t threads = at::get_num_threads(), num_kv_heads = p.num_kv_heads, head_size = p.head_size;
-  const int64_t per_item = static_cast<int64_t>(queries.size()) >= 2 * threads ? num_kv_heads : 1;
-  const int64_t items = static_cast<int64_t>(queries.size()) * (num_kv_heads / per_item);
-  const int64_t heads = per_item * p.group;
-  const auto query_of = [&](int64_t item) -> const Query& { return queries[item * per_item / num_kv_heads]; };
-  const std::vector<std::vector<int64_t>> shares =
-      balance(items, threads, [&](int64_t item) { return query_of(item).ctx; });
+  const int64_t per_decode = static_cast<int64_t>(queries.size()) >= 2 * threads ? num_kv_heads : 1;
+  std::vector<Item> items;
+  for (size_t i = 0; i < queries.size();) {
+    size_t end = i + 1;  // the sequence's queries, one after the other
+    while (end < queries.size() && queries[end].seq == queries[i].seq) ++end;
+    const Query& first = queries[i];
+    if (end - i == 1) {
+      for (int64_t g = 0; g < num_kv_heads; g += per_decode) {
+        items.push_back({first.seq, first.token, 1, first.ctx, g, per_decode});
+      }
+    }
+    for (size_t j = i; end - i > 1 && j < end; j += kTokensTogether) {
+      const int64_t tokens = std::min<int64_t>(kTokensTogether, static_cast<int64_t>(end - j));
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        items.push_back({first.seq, queries[j].token, tokens, queries[j + tokens - 1].ctx, g, 1});
+      }
+    }
+    i = end;
+  }
+  const int64_t most_heads = std::max(num_kv_heads, kTokensTogether) * p.group;
+  const std::vector<std::vector<int64_t>> shares = balance(
+      static_cast<int64_t>(items.size()), threads,
+      [&](int64_t i) { return items[i].ctx * items[i].tokens * items[i].kv_heads; });
   at::parallel_for(0, static_cast<int64_t>(shares.size()), 1, [&](int64_t first_share, int64_t last_share) {
-    std::vector<float> scores, sums(heads), acc(heads * head_size), q(heads * head_size);
-    // An item's first query head, the offset of its first KV head in a row, and its first K block there (the
-    // next item's is asked for ahead).
-    const auto first_head = [&](int64_t item) { return item * per_item % num_kv_heads * p.group; };
-    const auto kv_offset = [&](int64_t item) { return first_head(item) / p.group * p.c_head; };
-    const auto first_k = [&](int64_t item) {
-      return p.k + kv_offset(item) + static_cast<int64_t>(p.table[query_of(item).seq * p.max_blocks]) * p.c_block;
+    std::vector<float> scores, sums(most_heads), acc(most_heads * head_size), q(most_heads * head_size);
+    // An item's first K block (the next item's is asked for ahead).
+    const auto first_k = [&](const Item& item) {
+      return p.k + item.first_kv * p.c_head + static_cast<int64_t>(p.table[item.seq * p.max_blocks]) * p.c_block;
     };
     for (int64_t share = first_share; share < last_share; ++share) {
       const std::vector<int64_t>& mine = shares[share];
       for (size_t i = 0; i < mine.size(); ++i) {
-        const int64_t item = mine[i], head = first_head(item);
-        const Query& query = query_of(item);
-        const int64_t s = query.seq, ctx = query.ctx, token = query.token, stride = padded(ctx);
-        p.load_queries(token, head, heads, q.data());
-        scores.assign(heads * stride, -std::numeric_limits<float>::infinity());
-        const pagedserve_cpu_attention::Rows rows{
-            p.k + kv_offset(item), p.v + kv_offset(item), std::is_same_v<T, c10::BFloat16>, p.table + s * p.max_blocks, ctx,
-            p.block_size, p.c_block, p.c_token, p.c_head, per_item, head_size, p.group, p.scale,
-            i + 1 < mine.size() ? first_k(mine[i + 1]) : nullptr};
+        const Item& item = items[mine[i]];
+        const int64_t ctx = item.ctx, stride = padded(ctx), heads = item.kv_heads * p.group;  // a token's
+        const int64_t head = item.first_kv * p.group, all = item.tokens * heads;
+        for (int64_t t = 0; t < item.tokens; ++t) {
+          p.load_queries(item.token + t, head, heads, &q[t * heads * head_size]);
+        }
+        scores.assign(all * stride, -std::numeric_limits<float>::infinity());
+        const pagedserve_cpu_attention::Rows rows{p.k + item.first_kv * p.c_head, p.v + item.first_kv * p.c_head,
+                                                  std::is_same_v<T, c10::BFloat16>, p.table + item.seq * p.max_blocks,
+                                                  ctx, p.block_size, p.c_block, p.c_token, p.c_head, item.kv_heads,
+                                                  head_size, item.tokens * p.group, p.scale,
+                                                  i + 1 < mine.size() ? first_k(items[mine[i + 1]]) : nullptr};
         pagedserve_cpu_attention::scores_avx512(rows, q.data(), scores.data(), stride);
-        pagedserve_cpu_attention::exponentiate_avx512(scores.data(), heads, stride, ctx, sums.data());
+        for (int64_t t = 0; t + 1 < item.tokens; ++t) {  // past each earlier token's own context
+          const int64_t own = ctx - (item.tokens - 1 - t);
+          for (int64_t h = t * heads; h < (t + 1) * heads; ++h) {
+            std::fill(&scores[h * stride + own], &scores[h * stride + ctx], -std::numeric_limits<float>::infinity());
+          }
+        }
+        pagedserve_cpu_attention::exponentiate_avx512(scores.data(), all, stride, ctx, sums.data());
         std::fill(acc.begin(), acc.end(), 0.f);
         pagedserve_cpu_attention::weighted_sum_avx512(rows, scores.data(), stride, acc.data());
-        p.write_outputs(token, head, heads, acc.data(), sums.data());
+        for (int64_t t = 0; t < item.tokens; ++t) {
+          p.write_outputs(item.token + t, head, heads, &acc[t * heads * head_size], &sums[t * heads]);
+        }
       }
     }
   });
@@ -289,8 +330,8 @@ void attend(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t max_blocks = block_table.size(1);
-  PAGEDSERVE_CHECK(starts[0] == 0 && starts[num_seqs] <= query.size(0), "query_start_loc must run from 0 to at most ",
-                   query.size(0), " tokens");
+  PAGEDSERVE_CHECK(starts[0] == 0 && starts[num_seqs] <= query.size(0),
+                   "query_start_loc must run from 0 to at most ", query.size(0), " tokens");
   std::vector<Query> queries;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t new_tokens = starts[s + 1] - starts[s];
