@@ -123,9 +123,22 @@ inline __m512 row_products(const __m512 (&q)[NC], const T* row) {
   return sum;
 }
 
-// HG query heads over a block's rows, 16 rows at a time: each row's 16 partial sums, then the 16 rows' sums in
-// one vector (lane_sums), not one horizontal sum a row. The rows come from memory for the first head and from
-// L1 for the others.
+// The first n of 16 rows' scores, from each row's 16 partial sums (v): the 16 sums in one vector (lane_sums),
+// not one horizontal sum a row, times scale (by).
+inline void store_scores(const __m512 (&v)[16], int64_t n, __m512 by, float* out) {
+  const __m512 scores = _mm512_mul_ps(lane_sums(quad_sums(v[0], v[1], v[2], v[3]), quad_sums(v[4], v[5], v[6], v[7]),
+                                                quad_sums(v[8], v[9], v[10], v[11]),
+                                                quad_sums(v[12], v[13], v[14], v[15])),
+                                      by);
+  if (n == 16) {
+    _mm512_storeu_ps(out, scores);
+  } else {
+    _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), scores);
+  }
+}
+
+// HG query heads over a block's rows, 16 rows at a time (store_scores). The rows come from memory for the first
+// head and from L1 for the others.
 template <typename T, int NC, int HG>
 void score_rows(const float* q, const T* block, int64_t rows, int64_t c_token, float scale, float* out,
                 int64_t stride, Ahead& ahead) {
@@ -138,24 +151,10 @@ void score_rows(const float* q, const T* block, int64_t rows, int64_t c_token, f
     for (int64_t p0 = 0; p0 < rows; p0 += 16) {
       const int64_t n = rows - p0 < 16 ? rows - p0 : 16;
       const T* first = block + p0 * c_token;
-      __m512 x[4];
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) {
-        __m512 v[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) {
-          const int64_t p = 4 * g + i;
-          v[i] = p < n ? row_products<T, NC>(qh, first + p * c_token) : _mm512_setzero_ps();
-        }
-        x[g] = quad_sums(v[0], v[1], v[2], v[3]);
-      }
-      const __m512 scores = _mm512_mul_ps(lane_sums(x[0], x[1], x[2], x[3]), by);
-      float* o = out + h * stride + p0;
-      if (n == 16) {
-        _mm512_storeu_ps(o, scores);
-      } else {
-        _mm512_mask_storeu_ps(o, static_cast<__mmask16>((1u << n) - 1), scores);
-      }
+      __m512 v[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) v[i] = i < n ? row_products<T, NC>(qh, first + i * c_token) : _mm512_setzero_ps();
+      store_scores(v, n, by, out + h * stride + p0);
     }
   }
 }
@@ -217,6 +216,57 @@ void scores_of(const Rows& r, const float* q, float* scores, int64_t stride) {
                      });
 }
 
+// bfloat16 K rows against a bfloat16 query by AVX512_BF16's pair dot product, where the CPU has it: a chunk of
+// 32 is one instruction, each lane adding the products at 2j + 1 and 2j (exact, as bfloat16 products are in
+// float) to its partial sum, against two multiply-adds and the rows' widening to float. A bfloat16 query's
+// values come back to the same bits from their float copy. Compiled for AVX512_BF16 (these functions only).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16")
+
+template <int NC>  // NC even: NC / 2 chunks of 32
+inline __m512 pair_products(const __m512bh (&q)[NC / 2], const uint16_t* row) {
+  __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(row));
+#pragma GCC unroll 4
+  for (int c = 1; c < NC / 2; ++c) sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+  return sum;
+}
+
+template <int NC, int HG>
+void pair_score_rows(const float* q, const uint16_t* block, int64_t rows, int64_t c_token, float scale,
+                     float* out, int64_t stride, Ahead& ahead) {
+  const __m512 by = _mm512_set1_ps(scale);
+  for (int h = 0; h < HG; ++h) {
+    ahead.step(HG - h);
+    __m512bh qh[NC / 2];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC / 2; ++c) {
+      const float* from = q + (h * NC + 2 * c) * 16;
+      qh[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(from + 16), _mm512_loadu_ps(from));
+    }
+    for (int64_t p0 = 0; p0 < rows; p0 += 16) {
+      const int64_t n = rows - p0 < 16 ? rows - p0 : 16;
+      const uint16_t* first = block + p0 * c_token;
+      __m512 v[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) v[i] = i < n ? pair_products<NC>(qh, first + i * c_token) : _mm512_setzero_ps();
+      store_scores(v, n, by, out + h * stride + p0);
+    }
+  }
+}
+
+template <int NC>
+void pair_scores_of(const Rows& r, const float* q, float* scores, int64_t stride) {
+  const auto* k = static_cast<const uint16_t*>(r.k);
+  const uint16_t* v_first = static_cast<const uint16_t*>(r.v) + static_cast<int64_t>(r.row[0]) * r.c_block;
+  over_blocks<uint16_t, NC>(r, k, v_first, [&](auto heads, int64_t head, int64_t first, const uint16_t* block,
+                                               int64_t rows, Ahead& ahead) {
+    pair_score_rows<NC, decltype(heads)::value>(q + head * NC * 16, block, rows, r.c_token, r.scale,
+                                                scores + head * stride + first, stride, ahead);
+  });
+}
+
+#pragma GCC pop_options
+
 // HG query heads at a time: their accumulators stay in registers over a block's rows.
 template <typename T, int NC, int HG>
 void add_rows(const float* weights, int64_t stride, const T* block, int64_t rows, int64_t c_token, float* acc,
@@ -276,6 +326,14 @@ void by_shape(const Rows& r, F f) {
 }  // namespace
 
 void scores_avx512(const Rows& rows, const float* q, float* scores, int64_t stride) {
+  if (rows.pairs && rows.bf16 && rows.head_size % 32 == 0) {
+    switch (rows.head_size / 32) {
+      case 1: return pair_scores_of<2>(rows, q, scores, stride);
+      case 2: return pair_scores_of<4>(rows, q, scores, stride);
+      case 3: return pair_scores_of<6>(rows, q, scores, stride);
+      default: return pair_scores_of<8>(rows, q, scores, stride);
+    }
+  }
   by_shape(rows, [&](auto element, auto width) {
     scores_of<decltype(element), decltype(width)::value>(rows, q, scores, stride);
   });

@@ -10,6 +10,7 @@ struct Rows {
   const void* k;         // the cache's first element of the first KV head: float, or bfloat16 bits when bf16
   const void* v;
   bool bf16;
+  bool pairs;            // bf16 scores by AVX512_BF16's pair dot product (where the CPU has it)
   const int32_t* row;    // the sequence's block table row
   int64_t ctx;           // tokens of context
   int64_t block_size;
@@ -25,7 +26,9 @@ struct Rows {
 
 // Only where pagedserve_cpu_features::avx512_enabled() (cpu_features.h).
 // scores [heads][stride]: each query head's (q [heads][head_size], float) dot product with every K row of its
-// KV head, times scale; positions past ctx are left as they are. Query head i is of KV head i / group.
+// KV head, times scale; positions past ctx are left as they are. Query head i is of KV head i / group. With
+// pairs (bf16 rows, a bf16 query, head_size a multiple of 32, only where the CPU has AVX512_BF16), by the pair
+// dot product: the same products, summed in another order.
 void scores_avx512(const Rows& rows, const float* q, float* scores, int64_t stride);
 
 // Each of `heads` rows of scores (stride apart) over its first ctx positions becomes its softmax's numerators

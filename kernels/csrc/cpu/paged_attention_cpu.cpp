@@ -6,9 +6,10 @@
 // on a CPU costs more than the attention itself. Here each (sequence, KV head) pair reads its K and V rows once,
 // straight from the pool through the block table, for all query heads that share that KV head (and, in a
 // prefill chunk, for a few tokens at once). float32 and bfloat16 (read as float, accumulated in float); the
-// Python side keeps float16, and head sizes that are not a multiple of 8, on the twin. Where the CPU has AVX-512 and the head size is a multiple of 16 up to 128, the
-// loops of paged_attention_avx512.cpp run instead (PAGEDSERVE_AVX512=0 keeps these), with each thread's share
-// of the sequences balanced by their contexts.
+// Python side keeps float16, and head sizes that are not a multiple of 8, on the twin. Where the CPU has
+// AVX-512 and the head size is a multiple of 16 up to 128, the loops of paged_attention_avx512.cpp run instead
+// (PAGEDSERVE_AVX512=0 keeps these), with each thread's share of the sequences balanced by their contexts; their
+// bf16 scores by AVX512_BF16's pair dot product where the CPU has it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -237,6 +238,8 @@ void attend_avx512(const Pool<T>& p, const std::vector<Query>& queries) {
     i = end;
   }
   const int64_t most_heads = std::max(num_kv_heads, kTokensTogether) * p.group;
+  const bool bf16 = std::is_same_v<T, c10::BFloat16>;
+  const bool pairs = bf16 && pagedserve_cpu_features::cpu_has_avx512_bf16();
   const std::vector<std::vector<int64_t>> shares = balance(
       static_cast<int64_t>(items.size()), threads,
       [&](int64_t i) { return items[i].ctx * items[i].tokens * items[i].kv_heads; });
@@ -256,10 +259,20 @@ void attend_avx512(const Pool<T>& p, const std::vector<Query>& queries) {
           p.load_queries(item.token + t, head, heads, &q[t * heads * head_size]);
         }
         scores.assign(all * stride, -std::numeric_limits<float>::infinity());
-        const pagedserve_cpu_attention::Rows rows{p.k + item.first_kv * p.c_head, p.v + item.first_kv * p.c_head,
-                                                  std::is_same_v<T, c10::BFloat16>, p.table + item.seq * p.max_blocks,
-                                                  ctx, p.block_size, p.c_block, p.c_token, p.c_head, item.kv_heads,
-                                                  head_size, item.tokens * p.group, p.scale,
+        const pagedserve_cpu_attention::Rows rows{p.k + item.first_kv * p.c_head,
+                                                  p.v + item.first_kv * p.c_head,
+                                                  bf16,
+                                                  pairs,
+                                                  p.table + item.seq * p.max_blocks,
+                                                  ctx,
+                                                  p.block_size,
+                                                  p.c_block,
+                                                  p.c_token,
+                                                  p.c_head,
+                                                  item.kv_heads,
+                                                  head_size,
+                                                  item.tokens * p.group,
+                                                  p.scale,
                                                   i + 1 < mine.size() ? first_k(items[mine[i + 1]]) : nullptr};
         pagedserve_cpu_attention::scores_avx512(rows, q.data(), scores.data(), stride);
         for (int64_t t = 0; t + 1 < item.tokens; ++t) {  // past each earlier token's own context
