@@ -189,6 +189,14 @@ def test_half_precision(dtype: torch.dtype, atol: float, monkeypatch: pytest.Mon
     run_and_check(batch, 64**-0.5, atol=atol, rtol=2e-2)
 
 
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128])
+def test_bf16_head_sizes(head_size: int) -> None:
+    """bfloat16 at every head size the AVX-512 loops take: the scores by the pair dot product where the head
+    is whole chunks of 32 (and the CPU has AVX512_BF16), else by widened rows; both close to the reference."""
+    batch = make_batch(mixed_specs(16, head_size), 8, 2, head_size, 16, seed=head_size, dtype=torch.bfloat16)
+    run_and_check(batch, head_size**-0.5, atol=3e-2, rtol=2e-2)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     specs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=6),
