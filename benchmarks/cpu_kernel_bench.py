@@ -117,7 +117,8 @@ def prefill_case(
 
     def kernel() -> None:
         for k, v in caches:
-            torch.ops.pagedserve_cpu.paged_attention(out_kernel, query, k, v, *meta, length)
+            taken = torch.ops.pagedserve_cpu.paged_attention(out_kernel, query, k, v, *meta, length)
+            assert taken == length, "the kernel takes prefill chunks in its AVX-512 loops only"
 
     def twin() -> None:
         for k, v in caches:

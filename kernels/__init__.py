@@ -45,10 +45,10 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float32, torch.bfloat16)
 # The CPU kernel's head size: a multiple of its vector width (kLanes in csrc/cpu/paged_attention_cpu.cpp).
 CPU_HEAD_SIZE_MULTIPLE = 8
-# On the CPU, prefill chunks of up to this many tokens go through the C++ kernel too, each token attending as
-# a decode over its context up to itself (four tokens to a pass over K and V): 1.5x to 6x faster than SDPA
-# over the gathered context from 512 down to 32 tokens a chunk, 1.15x at 1024, level at 2048, where SDPA's
-# blocked matmuls catch up (benchmarks/cpu_kernel_bench.py --prefill-lengths ...).
+# On the CPU, prefill chunks of up to this many tokens go through the C++ kernel's AVX-512 loops too, each
+# token attending as a decode over its context up to itself (four tokens to a pass over K and V): 1.5x to 6x
+# faster than SDPA over the gathered context from 512 down to 32 tokens a chunk, 1.15x at 1024, level at 2048,
+# where SDPA's blocked matmuls catch up (benchmarks/cpu_kernel_bench.py --prefill-lengths ...).
 CPU_PREFILL_KERNEL_TOKENS = 1024
 
 
@@ -111,9 +111,9 @@ def paged_attention(
         reference.paged_attention(*args)
         return
     if query.device.type == "cpu":
-        # The CPU kernel takes the decodes and the prefill chunks up to CPU_PREFILL_KERNEL_TOKENS tokens.
-        longest = CPU_PREFILL_KERNEL_TOKENS
-        _cpu_ops(k_cache).paged_attention(*args, longest)
+        # The CPU kernel takes the decodes and the prefill chunks up to CPU_PREFILL_KERNEL_TOKENS tokens (in
+        # its AVX-512 loops; the decodes alone in its AVX2 loops), and says up to how many it took.
+        longest = int(_cpu_ops(k_cache).paged_attention(*args, CPU_PREFILL_KERNEL_TOKENS))
     else:
         # The kernel takes the decodes and skips every sequence with more than one query token.
         longest = 1

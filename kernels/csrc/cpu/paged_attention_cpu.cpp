@@ -108,6 +108,11 @@ void attend(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
             const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc, double scale,
             int64_t longest);
 
+// Whether the AVX-512 loops take this head size (else the AVX2 loops).
+bool avx512_loops(int64_t head_size) {
+  return pagedserve_cpu_features::avx512_enabled() && head_size % 16 == 0 && head_size <= 128;
+}
+
 // Each query token of every sequence with at most `longest` new tokens attends over its context up to itself
 // (causal); sequences with more are skipped (their rows of out are left as they are). longest 1: the decodes.
 void paged_attention_upto(Tensor& out,                    // [num_tokens, num_heads, head_size]
@@ -158,11 +163,16 @@ void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& k_ca
   paged_attention_upto(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, 1);
 }
 
-// Every query token, of decodes and of prefill chunks of up to `longest` tokens.
-void paged_attention_cpu(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
-                         const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc,
-                         double scale, int64_t longest) {
-  paged_attention_upto(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, longest);
+// Every query token, of decodes and of prefill chunks of up to `longest` tokens where the AVX-512 loops run;
+// the AVX2 loops take the decodes alone (a token at a time, they fall behind SDPA from about 100 tokens a
+// chunk). Returns the longest chunk taken.
+int64_t paged_attention_cpu(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+                            const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc,
+                            double scale, int64_t longest) {
+  PAGEDSERVE_CHECK(longest >= 1, "longest must be at least 1, got ", longest);
+  const int64_t taken = avx512_loops(k_cache.size(-1)) ? longest : 1;
+  paged_attention_upto(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, taken);
+  return taken;
 }
 
 // What the decode loops read and write: the step's tensors as pointers and strides (elements).
@@ -294,40 +304,46 @@ void attend_avx512(const Pool<T>& p, const std::vector<Query>& queries) {
 
 // The AVX2 loops. One work item per query token: its K rows, then its V rows, are read in order, all KV heads
 // of a token at once (one contiguous row of the block), so each cache line is fetched once and the prefetcher
-// sees a stream.
+// sees a stream. Each thread takes a share of the tokens of about equal context (a prefill chunk's later
+// tokens see more).
 template <typename T>
 void attend_avx2(const Pool<T>& p, const std::vector<Query>& queries) {
   const int64_t num_heads = p.num_kv_heads * p.group, head_size = p.head_size;
-  at::parallel_for(0, static_cast<int64_t>(queries.size()), 1, [&](int64_t begin, int64_t end) {
+  const std::vector<std::vector<int64_t>> shares = balance(static_cast<int64_t>(queries.size()),
+                                                           at::get_num_threads(),
+                                                           [&](int64_t i) { return queries[i].ctx; });
+  at::parallel_for(0, static_cast<int64_t>(shares.size()), 1, [&](int64_t first_share, int64_t last_share) {
     std::vector<float> scores, sums(num_heads), acc(num_heads * head_size), q(num_heads * head_size);
-    for (int64_t item = begin; item < end; ++item) {
-      const Query& query = queries[item];
-      const int64_t ctx = query.ctx, token = query.token, stride = padded(ctx);
-      const int32_t* row = p.table + query.seq * p.max_blocks;
-      p.load_queries(token, 0, num_heads, q.data());
-      scores.assign(num_heads * stride, -std::numeric_limits<float>::infinity());
-      // Pass 1: scores of every query head against every K row.
-      for (int64_t pos = 0; pos < ctx; ++pos) {
-        const int64_t block = row[pos / p.block_size];  // widened before the stride multiply
-        const T* k_row = p.k + block * p.c_block + (pos % p.block_size) * p.c_token;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          scores[h * stride + pos] =
-              dot(q.data() + h * head_size, k_row + (h / p.group) * p.c_head, head_size) * p.scale;
+    for (int64_t share = first_share; share < last_share; ++share) {
+      for (const int64_t item : shares[share]) {
+        const Query& query = queries[item];
+        const int64_t ctx = query.ctx, token = query.token, stride = padded(ctx);
+        const int32_t* row = p.table + query.seq * p.max_blocks;
+        p.load_queries(token, 0, num_heads, q.data());
+        scores.assign(num_heads * stride, -std::numeric_limits<float>::infinity());
+        // Pass 1: scores of every query head against every K row.
+        for (int64_t pos = 0; pos < ctx; ++pos) {
+          const int64_t block = row[pos / p.block_size];  // widened before the stride multiply
+          const T* k_row = p.k + block * p.c_block + (pos % p.block_size) * p.c_token;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            scores[h * stride + pos] =
+                dot(q.data() + h * head_size, k_row + (h / p.group) * p.c_head, head_size) * p.scale;
+          }
         }
-      }
-      // Pass 2: softmax weights.
-      exponentiate(scores.data(), num_heads, stride, ctx, sums.data());
-      // Pass 3: the weighted sum of the V rows.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = 0; pos < ctx; ++pos) {
-        const int64_t block = row[pos / p.block_size];
-        const T* v_row = p.v + block * p.c_block + (pos % p.block_size) * p.c_token;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          axpy(acc.data() + h * head_size, scores[h * stride + pos], v_row + (h / p.group) * p.c_head,
-               head_size);
+        // Pass 2: softmax weights.
+        exponentiate(scores.data(), num_heads, stride, ctx, sums.data());
+        // Pass 3: the weighted sum of the V rows.
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t pos = 0; pos < ctx; ++pos) {
+          const int64_t block = row[pos / p.block_size];
+          const T* v_row = p.v + block * p.c_block + (pos % p.block_size) * p.c_token;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            axpy(acc.data() + h * head_size, scores[h * stride + pos], v_row + (h / p.group) * p.c_head,
+                 head_size);
+          }
         }
+        p.write_outputs(token, 0, num_heads, acc.data(), sums.data());
       }
-      p.write_outputs(token, 0, num_heads, acc.data(), sums.data());
     }
   });
 }
@@ -362,7 +378,7 @@ void attend(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
                      table, max_blocks, block_size, num_kv_heads, head_size,
                      num_heads / num_kv_heads, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
-  if (pagedserve_cpu_features::avx512_enabled() && head_size % 16 == 0 && head_size <= 128) {
+  if (avx512_loops(head_size)) {
     attend_avx512(pool, queries);
   } else {
     attend_avx2(pool, queries);
@@ -375,11 +391,12 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
-  // The same for every query token of the decodes and of the prefill chunks of up to `longest` tokens, each
-  // over its context up to itself; longer chunks' rows of out are left as they are.
+  // The same for every query token of the decodes and of the prefill chunks of up to `longest` tokens (where
+  // the AVX-512 loops run; else the decodes alone), each over its context up to itself; longer chunks' rows of
+  // out are left as they are. Returns the longest chunk it took.
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-      "Tensor seq_lens, Tensor query_start_loc, float scale, int longest) -> ()");
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int longest) -> int");
   // The kernels' AVX-512 loops on or off (cpu_features.h); returns whether they were on.
   m.def("set_avx512(bool enabled) -> bool", TORCH_FN(pagedserve_cpu_features::set_avx512));
 }
