@@ -68,6 +68,23 @@ def pools(
     return cache.layers
 
 
+def kernel_against_twin(
+    kernel: Callable[[torch.Tensor, torch.Tensor], object],
+    twin: Callable[[torch.Tensor, torch.Tensor], object],
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    outs: tuple[torch.Tensor, torch.Tensor],
+    repeats: int,
+) -> tuple[float, float]:
+    """Per layer, the best ms of kernel(K, V) and of twin(K, V) through every layer's pools in turn; the two
+    outputs they wrote (outs) must agree."""
+    layers = len(caches)
+    kernel_ms = best_ms(lambda: [kernel(k, v) for k, v in caches], repeats) / layers
+    twin_ms = best_ms(lambda: [twin(k, v) for k, v in caches], repeats) / layers
+    tolerance = 1e-5 if outs[0].dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(*outs, atol=tolerance, rtol=tolerance)
+    return kernel_ms, twin_ms
+
+
 def attention_case(
     batch: int, context: int, layers: int, repeats: int, pool_gib: float, dtype: torch.dtype
 ) -> dict[str, Any]:
@@ -82,18 +99,13 @@ def attention_case(
     query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=dtype)
     out_kernel, out_twin = torch.empty_like(query), torch.empty_like(query)
     meta = (block_table, seq_lens, query_start_loc, HEAD_SIZE**-0.5)
-
-    def kernel() -> None:
-        for k, v in caches:
-            kernels.paged_attention(out_kernel, query, k, v, *meta)
-
-    def twin() -> None:
-        for k, v in caches:
-            reference.paged_attention(out_twin, query, k, v, *meta)
-
-    kernel_ms, twin_ms = best_ms(kernel, repeats) / layers, best_ms(twin, repeats) / layers
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out_kernel, out_twin, atol=tolerance, rtol=tolerance)
+    kernel_ms, twin_ms = kernel_against_twin(
+        lambda k, v: kernels.paged_attention(out_kernel, query, k, v, *meta),
+        lambda k, v: reference.paged_attention(out_twin, query, k, v, *meta),
+        caches,
+        (out_kernel, out_twin),
+        repeats,
+    )
     return {"batch": batch, "context": context, "kernel_ms": kernel_ms, "twin_ms": twin_ms,
             "speedup": twin_ms / kernel_ms}  # fmt: skip
 
@@ -115,18 +127,17 @@ def prefill_case(
     out_kernel, out_twin = torch.empty_like(query), torch.empty_like(query)
     meta = (block_table, seq_lens, query_start_loc, HEAD_SIZE**-0.5)
 
-    def kernel() -> None:
-        for k, v in caches:
-            taken = torch.ops.pagedserve_cpu.paged_attention(out_kernel, query, k, v, *meta, length)
-            assert taken == length, "the kernel takes prefill chunks in its AVX-512 loops only"
+    def kernel(k: torch.Tensor, v: torch.Tensor) -> None:
+        taken = torch.ops.pagedserve_cpu.paged_attention(out_kernel, query, k, v, *meta, length)
+        assert taken == length, "the kernel takes prefill chunks in its AVX-512 loops only"
 
-    def twin() -> None:
-        for k, v in caches:
-            reference.prefill_attention(out_twin, query, k, v, *meta)
-
-    kernel_ms, twin_ms = best_ms(kernel, repeats) / layers, best_ms(twin, repeats) / layers
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out_kernel, out_twin, atol=tolerance, rtol=tolerance)
+    kernel_ms, twin_ms = kernel_against_twin(
+        kernel,
+        lambda k, v: reference.prefill_attention(out_twin, query, k, v, *meta),
+        caches,
+        (out_kernel, out_twin),
+        repeats,
+    )
     return {"length": length, "prefix": prefix, "sequences": seqs, "kernel_ms": kernel_ms, "twin_ms": twin_ms,
             "speedup": twin_ms / kernel_ms}  # fmt: skip
 

@@ -110,10 +110,11 @@ def paged_attention(
     if decode is None:
         reference.paged_attention(*args)
         return
-    if query.device.type == "cpu":
+    cpu_ops = _cpu_ops(k_cache) if query.device.type == "cpu" else None
+    if cpu_ops is not None:
         # The CPU kernel takes the decodes and the prefill chunks up to CPU_PREFILL_KERNEL_TOKENS tokens (in
         # its AVX-512 loops; the decodes alone in its AVX2 loops), and says up to how many it took.
-        longest = int(_cpu_ops(k_cache).paged_attention(*args, CPU_PREFILL_KERNEL_TOKENS))
+        longest = int(cpu_ops.paged_attention(*args, CPU_PREFILL_KERNEL_TOKENS))
     else:
         # The kernel takes the decodes and skips every sequence with more than one query token.
         longest = 1
