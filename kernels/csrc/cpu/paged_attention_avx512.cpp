@@ -1,15 +1,17 @@
-// Paged decode attention in AVX-512, for one sequence and some of its KV heads at a time: the scores of the
-// query heads against the K rows, their softmax's numerators, and the weighted sum of the V rows. Compiled for
+// Paged attention in AVX-512, for one sequence's query token (or a few of a prefill chunk's) and some of its KV
+// heads at a time: the scores of the query heads against the K rows, their softmax's numerators, and the
+// weighted sum of the V rows. Compiled for
 // every x86-64 build with GCC (the instructions are enabled for this file's loops alone) and chosen at run time
 // where the CPU has them (paged_attention_cpu.cpp).
 //
 // Both passes over the cache go a block at a time, the next block's lines prefetched a few at a time as the rows
 // are worked on, and within a block a KV head at a time: its rows come from L2 or memory for the first of its
 // query heads and from L1 for the others. A score is the dot product of the query and the K row, 16 lanes of
-// partial sums over the head's 16-float chunks; 16 rows' partial sums are added across their lanes together, in
-// one transposing tree, into one vector of 16 scores. The weighted sum adds each V row, times each head's weight,
-// into float32 accumulators, up to four query heads sharing each row's loads. bfloat16 rows are widened to float
-// as they load.
+// partial sums over the head's 16-float chunks (bf16 rows, where the CPU has AVX512_BF16: over its chunks of 32,
+// a pair of products a lane); 16 rows' partial sums are added across their lanes together, in one transposing
+// tree, into one vector of 16 scores. The weighted sum adds each V row, times each head's weight, into float32
+// accumulators, up to four query heads sharing each row's loads. bfloat16 rows are otherwise widened to float as
+// they load.
 #include <cstdint>
 #include <type_traits>
 
