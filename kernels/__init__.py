@@ -46,9 +46,10 @@ CPU_DTYPES = (torch.float32, torch.bfloat16)
 # The CPU kernel's head size: a multiple of its vector width (kLanes in csrc/cpu/paged_attention_cpu.cpp).
 CPU_HEAD_SIZE_MULTIPLE = 8
 # On the CPU, prefill chunks of up to this many tokens go through the C++ kernel's AVX-512 loops too, each
-# token attending as a decode over its context up to itself (four tokens to a pass over K and V): 1.5x to 6x
-# faster than SDPA over the gathered context from 512 down to 32 tokens a chunk, 1.15x at 1024, level at 2048,
-# where SDPA's blocked matmuls catch up (benchmarks/cpu_kernel_bench.py --prefill-lengths ...).
+# token attending as a decode over its context up to itself (four tokens to a pass over K and V): against SDPA
+# over the gathered context, 6.9x (bf16) and 4.2x (fp32) as fast in chunks of 32, 2.1x and 1.5x at 512, 1.5x
+# and 1.1x at 1024; at 2048 fp32's SDPA is ahead (0.92x), where its blocked matmuls catch up
+# (benchmarks/cpu_kernel_bench.py --prefill-lengths ..., docs/kernels.md).
 CPU_PREFILL_KERNEL_TOKENS = 1024
 
 
