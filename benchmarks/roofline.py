@@ -9,7 +9,9 @@ steps of the engine (LLMEngine, fp32 by default): decode steps at each batch siz
 past a short prompt, one token each per step) and one prefill chunk. Each step is set against two bounds:
 
 - memory: every weight byte read once (the tied embedding is read whole by the LM head) over the read
-  bandwidth; a step cannot take less, whatever its batch;
+  bandwidth; a step cannot take less, whatever its batch. On a shared machine the bandwidth moves from minute
+  to minute, so each step's bound takes the bandwidth measured around its own timing (the better of a
+  measure just before and one just after);
 - compute: the step's FLOPs (2 x parameters x tokens, the LM head on the sampled rows, attention over the
   context) over the fp32 matmul rate, and over the bf16 rate (what bf16 weights could reach). A step's
   "x bound" is over the higher of the memory bound and the compute bound of the dtype it runs in.
@@ -156,7 +158,8 @@ def row(
     where: dict[str, float],
     dtype: str,
 ) -> dict[str, Any]:
-    """A step against the bounds: its over_bound is over the higher of memory and its own dtype's FLOPs."""
+    """A step against the bounds: its over_bound is over the higher of memory and its own dtype's FLOPs. The
+    memory bound is over limits' read bandwidth: the one measured around this step (timed_beside)."""
     memory_s = weights / limits["read_bytes_per_s"]
     fp32_s = flops / limits["fp32_matmul_flops_per_s"]
     bf16_s = flops / limits["bf16_matmul_flops_per_s"]
@@ -165,6 +168,7 @@ def row(
     return {
         "step": name,
         "step_s": seconds,
+        "read_bytes_per_s": limits["read_bytes_per_s"],
         "memory_bound_s": memory_s,
         "fp32_compute_bound_s": fp32_s,
         "bf16_compute_bound_s": bf16_s,
@@ -186,8 +190,8 @@ def print_table(results: dict[str, Any]) -> None:
         " threads"
     )
     print(
-        f"{'forward':<14}{'step':<14}{'ms':>8}{'mem ms':>8}{'fp32 ms':>9}{'bf16 ms':>9}{'x bound':>9}"
-        f"{'matmul':>8}{'attn':>7}{'ops':>7}{'outside':>9}"
+        f"{'forward':<14}{'step':<14}{'ms':>8}{'GB/s':>7}{'mem ms':>8}{'fp32 ms':>9}{'bf16 ms':>9}"
+        f"{'x bound':>9}{'matmul':>8}{'attn':>7}{'ops':>7}{'outside':>9}"
     )
     for r in results["rows"]:
         w = r["where"]
@@ -195,7 +199,7 @@ def print_table(results: dict[str, Any]) -> None:
         shares = [w[k] / wall for k in ("matmul_s", "attention_s", "other_ops_s", "outside_ops_s")]
         print(
             f"{r['model_impl']:<14}{r['step']:<14}"
-            f"{1000 * r['step_s']:>8.1f}{1000 * r['memory_bound_s']:>8.1f}"
+            f"{1000 * r['step_s']:>8.1f}{r['read_bytes_per_s'] / 1e9:>7.1f}{1000 * r['memory_bound_s']:>8.1f}"
             f"{1000 * r['fp32_compute_bound_s']:>9.1f}{1000 * r['bf16_compute_bound_s']:>9.1f}"
             f"{r['over_bound']:>8.2f}x" + "".join(f"{s:>7.0%} " for s in shares)
         )
@@ -292,17 +296,29 @@ def steps_of(
     rows = []
     for batch in args.batches:
         with decoding(engine, batch, args.steps + 1, f"decode-{batch}"):
-            seconds = statistics.median(_timed(engine.step) for _ in range(args.steps))
+            seconds, read = timed_beside(lambda: median_step(engine.step, args.steps))
             where = profile_of(engine.step)
         context = [PROMPT_LEN + 2 + args.steps // 2] * batch
         flops = step_flops(shape, batch, batch, context)
-        rows.append(row(f"decode {batch}", seconds, flops, limits, weights, where, args.dtype))
+        rows.append(row(f"decode {batch}", seconds, flops, {**limits, **read}, weights, where, args.dtype))
     n = args.prefill_tokens
-    seconds = statistics.median(prefill_step(engine, n, salt) for salt in range(1, 4))
+    seconds, read = timed_beside(lambda: statistics.median(prefill_step(engine, n, s) for s in range(1, 4)))
     flops = step_flops(shape, n, 1, list(range(1, n + 1)))
     where = profile_of(lambda: prefill_step(engine, n, 4))
-    rows.append(row(f"prefill {n}", seconds, flops, limits, weights, where, args.dtype))
+    rows.append(row(f"prefill {n}", seconds, flops, {**limits, **read}, weights, where, args.dtype))
     return rows
+
+
+def median_step(step: Any, times: int) -> float:
+    return statistics.median(_timed(step) for _ in range(times))
+
+
+def timed_beside(timing: Any) -> tuple[float, dict[str, float]]:
+    """timing()'s seconds, and the read bandwidth around it: the better of a measure just before and one just
+    after, so that a step is set against what memory gave at the time it ran."""
+    before = read_bandwidth(repeats=2)
+    seconds = timing()
+    return seconds, {"read_bytes_per_s": max(before, read_bandwidth(repeats=2))}
 
 
 if __name__ == "__main__":

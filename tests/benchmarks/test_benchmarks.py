@@ -87,7 +87,8 @@ def test_roofline_smoke(tiny_model_path: str, tmp_path: Path) -> None:
     assert [r["step"] for r in results["rows"]] == ["decode 1", "decode 4", "prefill 64"]
     assert {r["model_impl"] for r in results["rows"]} == {"pagedserve"}
     one, four, prefill = results["rows"]
-    assert one["memory_bound_s"] == four["memory_bound_s"] > 0  # every weight once, whatever the batch
+    for r in results["rows"]:  # every weight once, whatever the batch, at the bandwidth around the step
+        assert r["memory_bound_s"] == pytest.approx(results["weight_bytes"] / r["read_bytes_per_s"])
     assert four["fp32_compute_bound_s"] > one["fp32_compute_bound_s"] > 0
     assert prefill["flops"] > four["flops"]
     for r in results["rows"]:
