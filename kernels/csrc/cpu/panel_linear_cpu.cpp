@@ -115,55 +115,75 @@ void tile_rows(int64_t rows, int64_t, const float* a, int64_t lda, const float* 
   }
 }
 
-// The widest strip an AVX-512 tile takes (up to four registers of 16) that divides the panel.
-int64_t avx512_strip(int64_t panel) {
-  for (int64_t width : {64, 48, 32}) {
-    if (panel % width == 0) return width;
+// The widest strip a tile of at most `widest` columns takes (up to four AVX-512 registers of 16) that divides
+// `width`.
+int64_t strip_of(int64_t width, int64_t widest) {
+  for (int64_t strip : {64, 48, 32}) {
+    if (strip <= widest && width % strip == 0) return strip;
   }
   return 16;
 }
 
+// From this many rows on, a panel may be split in halves between two threads, where the panels do not share
+// out evenly among the threads (9 panels on 2 threads: 4.5 each, not 5 and 4). Below it the product is bound by
+// the weight's stream, which a whole panel's lines in order keep fastest.
+constexpr int64_t kHalvesFromRows = 16;
+
 // a [rows, k_size] times the weight as n / panel panels [k_size][panel] of T (a float, or a pair of bfloat16),
-// plus bias, as float32 sums. tile(rows, strip, ...) computes rows x strip outputs. The sums go to `out` [rows, n]
-// when it is given; else each thread sums a panel at a time into a [rows, panel] scratch of its own. Either way
-// finish(col, sums, ld) is called once the panel from column col on is done, its sums (row stride ld) in cache.
+// plus bias, as float32 sums. tile(rows, strip, ...) computes rows x strip outputs, strip at most `widest`. The
+// sums go to `out` [rows, n] when it is given; else each thread sums a panel at a time into a [rows, panel]
+// scratch of its own. Either way finish(col, sums, ld, width) is called once the columns from col to col + width
+// are done (a panel, or half of one), their sums (row stride ld) in cache.
 template <typename T, typename Tile, typename Finish>
 void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T* weight, int64_t n, int64_t k_size,
-                     int64_t panel, int64_t strip, const float* bias, Tile tile, Finish finish) {
+                     int64_t panel, int64_t widest, const float* bias, Tile tile, Finish finish) {
   static const float zeros[64] = {};
+  // Rows shared evenly among the fewest tiles that take them (32 rows: 6, 6, 5, 5, 5, 5, not five of 6 and one
+  // of 2): a tile of few rows has too few sums in flight to keep the multipliers busy.
   const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
-  // A panel is one unit of work: each block of it, [kBlockK][panel], is prefetched into L1 while the block
-  // before it is multiplied, and found there by every row tile.
-  at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(out ? 0 : rows * panel);
-    const int64_t ld = out ? n : panel;
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const T* base = weight + unit * panel * k_size;
-      float* sums = out ? out + unit * panel : scratch.data();
-      for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
-        const int64_t kn = std::min(kBlockK, k_size - k0);
-        const int64_t share = (kn + row_tiles - 1) / row_tiles * strip;  // a row tile's prefetched values
-        for (int64_t s = 0; s < panel / strip; ++s) {
-          const int64_t col = unit * panel + s * strip;
-          const T* bs = base + k0 * panel + s * strip;
-          const float* init = k0 > 0 ? nullptr : (bias ? bias + col : zeros);
-          // The strip's share of the next block, kn * strip values, is prefetched spread over its row tiles,
-          // each taking every row_tiles-th step: memory streams while the tiles multiply.
-          const T* ahead = base + (k0 + kBlockK) * panel + s * kn * strip;
-          for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-            const int64_t r = std::min(kTileRows, rows - r0);
-            tile(r, strip, a + r0 * lda + k0, lda, bs, panel, kn, sums + r0 * ld + s * strip, ld, init, ahead,
-                 row_tiles);
-            ahead += share;
-          }
+  const int64_t panels = n / panel;
+  const bool halves = rows >= kHalvesFromRows && panel % 32 == 0 && panels % at::get_num_threads() != 0;
+  const int64_t parts = halves ? 2 : 1, part = panel / parts;
+  // Columns [c0, c0 + width) of panel p into sums (the panel's, row stride ld). Each block of them, [kBlockK]
+  // rows of the panel, is prefetched into L1 while the block before it is multiplied, and found there by every
+  // row tile.
+  const auto multiply = [&](int64_t p, int64_t c0, int64_t width, float* sums, int64_t ld) {
+    const T* base = weight + p * panel * k_size;
+    const int64_t strip = strip_of(width, widest);
+    for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
+      const int64_t kn = std::min(kBlockK, k_size - k0);
+      const int64_t share = (kn + row_tiles - 1) / row_tiles * strip;  // a row tile's prefetched values
+      for (int64_t c = c0; c < c0 + width; c += strip) {
+        const T* bs = base + k0 * panel + c;
+        const float* init = k0 > 0 ? nullptr : (bias ? bias + p * panel + c : zeros);
+        // The strip's share of the next block, kn * strip values, is prefetched spread over its row tiles,
+        // each taking every row_tiles-th step: memory streams while the tiles multiply.
+        const T* ahead = base + (k0 + kBlockK) * panel + c * kn;
+        for (int64_t t = 0, r0 = 0; t < row_tiles; ++t) {
+          const int64_t r = rows / row_tiles + (t < rows % row_tiles ? 1 : 0);
+          tile(r, strip, a + r0 * lda + k0, lda, bs, panel, kn, sums + r0 * ld + c, ld, init, ahead, row_tiles);
+          ahead += share;
+          r0 += r;
         }
       }
-      finish(unit * panel, sums, ld);
+    }
+  };
+  // Each thread takes a run of parts: whole panels, and half of one at either end of its run.
+  at::parallel_for(0, panels * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(out ? 0 : rows * panel);
+    const int64_t ld = out ? n : panel;
+    for (int64_t u = begin; u < end;) {
+      const int64_t p = u / parts, c0 = u % parts * part;
+      const int64_t width = c0 == 0 && u + parts <= end ? panel : part;
+      float* sums = out ? out + p * panel : scratch.data();
+      multiply(p, c0, width, sums, ld);
+      finish(p * panel + c0, sums + c0, ld, width);
+      u += width / part;
     }
   });
 }
 
-void nothing_left(int64_t, const float*, int64_t) {}
+void nothing_left(int64_t, const float*, int64_t, int64_t) {}
 
 }  // namespace
 
@@ -192,7 +212,7 @@ void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_
   const int64_t rows = x.size(0), k_size = x.size(1), lda = x.stride(0);
   if (avx512_enabled()) {
     multiply_panels(out.data_ptr<float>(), rows, x.data_ptr<float>(), lda, weight, n, k_size, panel,
-                    avx512_strip(panel), b, tile_f32_avx512, nothing_left);
+                    64, b, tile_f32_avx512, nothing_left);
   } else {
     multiply_panels(out.data_ptr<float>(), rows, x.data_ptr<float>(), lda, weight, n, k_size, panel, kStrip, b,
                     tile_rows, nothing_left);
@@ -220,13 +240,13 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
   const auto* pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   // Each output rounded once, from its float32 sum (bias included), as oneDNN rounds: a panel as soon as it is
   // done, from its thread's scratch.
-  const auto round_panel = [&](int64_t col, const float* sums, int64_t ld) {
+  const auto round_panel = [&](int64_t col, const float* sums, int64_t ld, int64_t width) {
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t j = 0; j < panel; ++j) to[r * n + col + j] = pagedserve_cpu_math::bf16_bits(sums[r * ld + j]);
+      for (int64_t j = 0; j < width; ++j) to[r * n + col + j] = pagedserve_cpu_math::bf16_bits(sums[r * ld + j]);
     }
   };
   multiply_panels(static_cast<float*>(nullptr), rows, pairs, x.stride(0) / 2, weight, n, x.size(1) / 2, panel,
-                  avx512_strip(panel), b.defined() ? b.data_ptr<float>() : nullptr, tile_bf16_avx512, round_panel);
+                  64, b.defined() ? b.data_ptr<float>() : nullptr, tile_bf16_avx512, round_panel);
   return out;
 }
 

@@ -3,6 +3,8 @@ panel kernel only where oneDNN's bytes are its panels, a row's result the same w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -66,13 +68,25 @@ def test_without_the_panel_kernel_every_weight_stays_with_onednn(monkeypatch: py
     assert PackedLinear(nn.Linear(576, 960)).panel == 0
 
 
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}-threads")
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Thread counts that split 9 panels every way: whole panels (1), and from 16 rows a panel in halves
+    between two threads (2: 4.5 panels each; 4: halves at both ends of a thread's run)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool) -> None:
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool, threads: int) -> None:
     torch.manual_seed(1)
-    packed = panelled(nn.Linear(1536, 576, bias=bias))
+    packed = panelled(nn.Linear(1536, 576, bias=bias))  # 9 panels of 64
     x = torch.randn(128, 1536)
     together = packed(x)
-    for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(60, 73), slice(0, 128, 2)):
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+    torch.testing.assert_close(together, onednn, atol=1e-4, rtol=1e-4)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(60, 73), slice(0, 32), slice(0, 128, 2)):
         assert torch.equal(packed(x[rows]), together[rows]), rows
 
 
@@ -123,13 +137,13 @@ def test_the_bf16_panel_kernel_rounds_float32_sums_once(num_rows: int, bias: boo
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_bf16_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool) -> None:
+def test_a_bf16_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool, threads: int) -> None:
     torch.manual_seed(2)
-    packed = bf16_panelled(nn.Linear(1536, 576, bias=bias))
+    packed = bf16_panelled(nn.Linear(1536, 576, bias=bias))  # 9 panels of 64
     x = torch.randn(128, 1536, dtype=torch.bfloat16)
     with kernels.amx(False):  # the AVX512_BF16 tiles, up to 128 rows
         together = packed(x)
-        for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(60, 73), slice(0, 128, 2)):
+        for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(60, 73), slice(0, 32), slice(0, 128, 2)):
             assert torch.equal(packed(x[rows]), together[rows]), rows
     if kernels.amx_ready():  # AMX tiles up to 64 rows (oneDNN's sums beyond are in another order)
         together = packed(x[:64])
