@@ -18,9 +18,11 @@ past a short prompt, one token each per step) and one prefill chunk. Each step i
 
 Three forwards run by default, one after the other against the same measured limits (`--model-impl`):
 transformers' modules, pagedserve's own with a Python loop over the layers, and pagedserve's own with a decode
-step's layers in one C++ call (what the engine runs). A profile of one step per row (torch.profiler) says
-where the time goes: matmuls, attention, the rest of the ops, and what is outside every op (Python,
-dispatch). Prints a table; writes JSON and a PNG.
+step's layers in one C++ call (what the engine runs). A profile of each row (torch.profiler, five decode
+steps averaged, or the prefill step) says where the time goes: matmuls, attention, the rest of the ops, and
+what is outside every op (Python, dispatch). The profiler's own cost per recorded op lands mostly in
+"outside": the last column says how much longer a profiled step took than the timed ones. Prints a table;
+writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from gpu_worker.engine.llama_forward import LlamaForward
 from gpu_worker.engine.packed_linear import cpu_has_bf16
 
 PROMPT_LEN = 32
+# Decode steps profiled per batch size (one step's profile moves by several points from run to run).
+PROFILED_STEPS = 5
 # Op names by kind, for the profile's summary (the rest is "other ops").
 MATMUL_OPS = (
     "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise",
@@ -129,15 +133,18 @@ def prefill_step(engine: LLMEngine, num_tokens: int, salt: int) -> float:
     return seconds
 
 
-def profile_of(run: Any) -> dict[str, float]:
-    """Where one call's time goes: seconds in matmul ops, attention ops, other ops, and outside every op."""
+def profile_of(run: Any, calls: int = 1) -> dict[str, float]:
+    """Where a call's time goes, averaged over `calls` calls: seconds in matmul ops, attention ops, other ops,
+    and outside every op. The profiler's own cost per recorded op is in these seconds too, most of it in
+    "outside" (the table's "profiled" column says how much longer a profiled call took)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        run()
-        wall = time.perf_counter() - start
+        for _ in range(calls):
+            run()
+        wall = (time.perf_counter() - start) / calls
     kinds = {"matmul_s": 0.0, "attention_s": 0.0, "other_ops_s": 0.0}
     for event in prof.key_averages():
-        seconds = event.self_cpu_time_total / 1e6
+        seconds = event.self_cpu_time_total / 1e6 / calls
         if event.key in MATMUL_OPS:
             kinds["matmul_s"] += seconds
         elif any(name in event.key.lower() for name in ATTENTION_OPS):
@@ -191,7 +198,7 @@ def print_table(results: dict[str, Any]) -> None:
     )
     print(
         f"{'forward':<14}{'step':<14}{'ms':>8}{'GB/s':>7}{'mem ms':>8}{'fp32 ms':>9}{'bf16 ms':>9}"
-        f"{'x bound':>9}{'matmul':>8}{'attn':>7}{'ops':>7}{'outside':>9}"
+        f"{'x bound':>9}{'matmul':>8}{'attn':>7}{'ops':>7}{'outside':>9}{'profiled':>10}"
     )
     for r in results["rows"]:
         w = r["where"]
@@ -201,7 +208,9 @@ def print_table(results: dict[str, Any]) -> None:
             f"{r['model_impl']:<14}{r['step']:<14}"
             f"{1000 * r['step_s']:>8.1f}{r['read_bytes_per_s'] / 1e9:>7.1f}{1000 * r['memory_bound_s']:>8.1f}"
             f"{1000 * r['fp32_compute_bound_s']:>9.1f}{1000 * r['bf16_compute_bound_s']:>9.1f}"
-            f"{r['over_bound']:>8.2f}x" + "".join(f"{s:>7.0%} " for s in shares)
+            f"{r['over_bound']:>8.2f}x"
+            + "".join(f"{s:>7.0%} " for s in shares)
+            + f"{wall / r['step_s'] - 1:>+9.0%}"
         )
 
 
@@ -295,9 +304,9 @@ def steps_of(
             engine.step()
     rows = []
     for batch in args.batches:
-        with decoding(engine, batch, args.steps + 1, f"decode-{batch}"):
+        with decoding(engine, batch, args.steps + PROFILED_STEPS, f"decode-{batch}"):
             seconds, read = timed_beside(lambda: median_step(engine.step, args.steps))
-            where = profile_of(engine.step)
+            where = profile_of(engine.step, PROFILED_STEPS)
         context = [PROMPT_LEN + 2 + args.steps // 2] * batch
         flops = step_flops(shape, batch, batch, context)
         rows.append(row(f"decode {batch}", seconds, flops, {**limits, **read}, weights, where, args.dtype))
