@@ -1,8 +1,7 @@
 // Paged attention in AVX-512, for one sequence's query token (or a few of a prefill chunk's) and some of its KV
 // heads at a time: the scores of the query heads against the K rows, their softmax's numerators, and the
-// weighted sum of the V rows. Compiled for
-// every x86-64 build with GCC (the instructions are enabled for this file's loops alone) and chosen at run time
-// where the CPU has them (paged_attention_cpu.cpp).
+// weighted sum of the V rows. Compiled for every x86-64 build with GCC (the instructions are enabled for this
+// file's loops alone) and chosen at run time where the CPU has them (paged_attention_cpu.cpp).
 //
 // Both passes over the cache go a block at a time, the next block's lines prefetched a few at a time as the rows
 // are worked on, and within a block a KV head at a time: its rows come from L2 or memory for the first of its
