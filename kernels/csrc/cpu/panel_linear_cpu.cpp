@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_features.h"
@@ -45,6 +46,13 @@ using pagedserve_cpu_features::avx512_enabled;
 constexpr int64_t kStrip = 16;       // output columns a tile computes: two AVX2 registers of floats
 constexpr int64_t kTileRows = 6;     // rows a tile computes: 12 accumulators, the rest of the registers free
 constexpr int64_t kBlockK = 64;      // rows of a panel kept in L1 (with the next) while every row tile uses them
+// From this many rows on, the AVX-512 tiles take k in blocks of up to kLongBlock values (288 rows of a bfloat16
+// panel of pairs): a block that stays in L2, not L1. Each row of such a tile does enough work a line to be fed from
+// L2, and each tile call, which loads and stores its sums, runs longer. Measured by benchmarks/panel_linear_bench.py
+// on an AVX-512 EPYC: 4 to 7% faster from 20 to 64 rows in both dtypes; slower at 8 rows, where the weight's
+// stream bounds the product; no faster on the AVX2 tiles (16 to 32 rows).
+constexpr int64_t kLongBlocksFromRows = 16;
+constexpr int64_t kLongBlock = 576;
 
 #if defined(__AVX2__) && defined(__FMA__)
 
@@ -144,21 +152,22 @@ void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T*
   const int64_t panels = n / panel;
   const bool halves = rows >= kHalvesFromRows && panel % 32 == 0 && panels % at::get_num_threads() != 0;
   const int64_t parts = halves ? 2 : 1, part = panel / parts;
-  // Columns [c0, c0 + width) of panel p into sums (the panel's, row stride ld). Each block of them, [kBlockK]
-  // rows of the panel, is prefetched into L1 while the block before it is multiplied, and found there by every
-  // row tile.
+  // Columns [c0, c0 + width) of panel p into sums (the panel's, row stride ld). Each block of them, [block] rows
+  // of the panel, is prefetched while the block before it is multiplied, and found in cache by every row tile.
+  constexpr int64_t kValues = std::is_same_v<T, float> ? 1 : 2;  // values of k a T holds
+  const int64_t block = widest > kStrip && rows >= kLongBlocksFromRows ? kLongBlock / kValues : kBlockK;
   const auto multiply = [&](int64_t p, int64_t c0, int64_t width, float* sums, int64_t ld) {
     const T* base = weight + p * panel * k_size;
     const int64_t strip = strip_of(width, widest);
-    for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
-      const int64_t kn = std::min(kBlockK, k_size - k0);
+    for (int64_t k0 = 0; k0 < k_size; k0 += block) {
+      const int64_t kn = std::min(block, k_size - k0);
       const int64_t share = (kn + row_tiles - 1) / row_tiles * strip;  // a row tile's prefetched values
       for (int64_t c = c0; c < c0 + width; c += strip) {
         const T* bs = base + k0 * panel + c;
         const float* init = k0 > 0 ? nullptr : (bias ? bias + p * panel + c : zeros);
         // The strip's share of the next block, kn * strip values, is prefetched spread over its row tiles,
         // each taking every row_tiles-th step: memory streams while the tiles multiply.
-        const T* ahead = base + (k0 + kBlockK) * panel + c * kn;
+        const T* ahead = base + (k0 + block) * panel + c * kn;
         for (int64_t t = 0, r0 = 0; t < row_tiles; ++t) {
           const int64_t r = rows / row_tiles + (t < rows % row_tiles ? 1 : 0);
           tile(r, strip, a + r0 * lda + k0, lda, bs, panel, kn, sums + r0 * ld + c, ld, init, ahead, row_tiles);
