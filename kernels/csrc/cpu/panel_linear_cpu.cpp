@@ -132,67 +132,71 @@ int64_t strip_of(int64_t width, int64_t widest) {
   return 16;
 }
 
-// From this many rows on, a panel may be split in halves between two threads, where the panels do not share
-// out evenly among the threads (9 panels on 2 threads: 4.5 each, not 5 and 4). Below it the product is bound by
-// the weight's stream, which a whole panel's lines in order keep fastest.
+// From this many rows on, where the panels do not share out evenly among the threads (9 panels on 2 threads: 4.5
+// each, not 5 and 4), a panel's rows may be split in halves between two threads. Below it the product is bound
+// by the weight's stream, which each panel read once keeps fastest. Halves of the rows, not of the columns, keep
+// the tiles as wide as the panel (benchmarks/panel_linear_bench.py --dtype bfloat16 on an AVX-512 EPYC: 1 to 2%
+// faster from 16 to 64 rows; level in float32).
 constexpr int64_t kHalvesFromRows = 16;
 
 // a [rows, k_size] times the weight as n / panel panels [k_size][panel] of T (a float, or a pair of bfloat16),
 // plus bias, as float32 sums. tile(rows, strip, ...) computes rows x strip outputs, strip at most `widest`. The
 // sums go to `out` [rows, n] when it is given; else each thread sums a panel at a time into a [rows, panel]
-// scratch of its own. Either way finish(col, sums, ld, width) is called once the columns from col to col + width
-// are done (a panel, or half of one), their sums (row stride ld) in cache.
+// scratch of its own. Either way finish(col, r0, r1, sums, ld) is called once rows r0 to r1 of the panel that
+// starts at column col are done (all its rows, or half of them), its sums (from row 0, row stride ld) in cache.
 template <typename T, typename Tile, typename Finish>
 void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T* weight, int64_t n, int64_t k_size,
                      int64_t panel, int64_t widest, const float* bias, Tile tile, Finish finish) {
   static const float zeros[64] = {};
-  // Rows shared evenly among the fewest tiles that take them (32 rows: 6, 6, 5, 5, 5, 5, not five of 6 and one
-  // of 2): a tile of few rows has too few sums in flight to keep the multipliers busy.
-  const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
   const int64_t panels = n / panel;
-  const bool halves = rows >= kHalvesFromRows && panel % 32 == 0 && panels % at::get_num_threads() != 0;
-  const int64_t parts = halves ? 2 : 1, part = panel / parts;
-  // Columns [c0, c0 + width) of panel p into sums (the panel's, row stride ld). Each block of them, [block] rows
-  // of the panel, is prefetched while the block before it is multiplied, and found in cache by every row tile.
+  const bool halves = rows >= kHalvesFromRows && panels % at::get_num_threads() != 0;
   constexpr int64_t kValues = std::is_same_v<T, float> ? 1 : 2;  // values of k a T holds
   const int64_t block = widest > kStrip && rows >= kLongBlocksFromRows ? kLongBlock / kValues : kBlockK;
-  const auto multiply = [&](int64_t p, int64_t c0, int64_t width, float* sums, int64_t ld) {
+  const int64_t strip = strip_of(panel, widest);
+  // Rows r0 to r1 of panel p into sums (the panel's, row stride ld). Each block of the panel, [block] of its rows,
+  // is prefetched while the block before it is multiplied, and found in cache by every row tile.
+  const auto multiply = [&](int64_t p, int64_t r0, int64_t r1, float* sums, int64_t ld) {
+    // Rows shared evenly among the fewest tiles that take them (32 rows: 6, 6, 5, 5, 5, 5, not five of 6 and one
+    // of 2): a tile of few rows has too few sums in flight to keep the multipliers busy.
+    const int64_t count = r1 - r0, row_tiles = (count + kTileRows - 1) / kTileRows;
     const T* base = weight + p * panel * k_size;
-    const int64_t strip = strip_of(width, widest);
     for (int64_t k0 = 0; k0 < k_size; k0 += block) {
       const int64_t kn = std::min(block, k_size - k0);
       const int64_t share = (kn + row_tiles - 1) / row_tiles * strip;  // a row tile's prefetched values
-      for (int64_t c = c0; c < c0 + width; c += strip) {
+      for (int64_t c = 0; c < panel; c += strip) {
         const T* bs = base + k0 * panel + c;
         const float* init = k0 > 0 ? nullptr : (bias ? bias + p * panel + c : zeros);
         // The strip's share of the next block, kn * strip values, is prefetched spread over its row tiles,
         // each taking every row_tiles-th step: memory streams while the tiles multiply.
         const T* ahead = base + (k0 + block) * panel + c * kn;
-        for (int64_t t = 0, r0 = 0; t < row_tiles; ++t) {
-          const int64_t r = rows / row_tiles + (t < rows % row_tiles ? 1 : 0);
-          tile(r, strip, a + r0 * lda + k0, lda, bs, panel, kn, sums + r0 * ld + c, ld, init, ahead, row_tiles);
+        for (int64_t t = 0, r = r0; t < row_tiles; ++t) {
+          const int64_t m = count / row_tiles + (t < count % row_tiles ? 1 : 0);
+          tile(m, strip, a + r * lda + k0, lda, bs, panel, kn, sums + r * ld + c, ld, init, ahead, row_tiles);
           ahead += share;
-          r0 += r;
+          r += m;
         }
       }
     }
   };
-  // Each thread takes a run of parts: whole panels, and half of one at either end of its run.
+  // Each thread takes a run of parts: whole panels, and the first or last rows of one at either end of its run.
+  // Both threads that share a panel read all of its weights; the tiles stay as wide as the panel.
+  const int64_t parts = halves ? 2 : 1, half = rows / 2;
   at::parallel_for(0, panels * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(out ? 0 : rows * panel);
     const int64_t ld = out ? n : panel;
     for (int64_t u = begin; u < end;) {
-      const int64_t p = u / parts, c0 = u % parts * part;
-      const int64_t width = c0 == 0 && u + parts <= end ? panel : part;
+      const int64_t p = u / parts, h = u % parts;
+      const bool whole = h == 0 && u + parts <= end;
+      const int64_t r0 = whole || h == 0 ? 0 : half, r1 = whole || h == 1 || !halves ? rows : half;
       float* sums = out ? out + p * panel : scratch.data();
-      multiply(p, c0, width, sums, ld);
-      finish(p * panel + c0, sums + c0, ld, width);
-      u += width / part;
+      multiply(p, r0, r1, sums, ld);
+      finish(p * panel, r0, r1, sums, ld);
+      u += whole ? parts : 1;
     }
   });
 }
 
-void nothing_left(int64_t, const float*, int64_t, int64_t) {}
+void nothing_left(int64_t, int64_t, int64_t, const float*, int64_t) {}
 
 }  // namespace
 
@@ -249,9 +253,9 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
   const auto* pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   // Each output rounded once, from its float32 sum (bias included), as oneDNN rounds: a panel as soon as it is
   // done, from its thread's scratch.
-  const auto round_panel = [&](int64_t col, const float* sums, int64_t ld, int64_t width) {
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t j = 0; j < width; ++j) to[r * n + col + j] = pagedserve_cpu_math::bf16_bits(sums[r * ld + j]);
+  const auto round_panel = [&](int64_t col, int64_t r0, int64_t r1, const float* sums, int64_t ld) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t j = 0; j < panel; ++j) to[r * n + col + j] = pagedserve_cpu_math::bf16_bits(sums[r * ld + j]);
     }
   };
   multiply_panels(static_cast<float*>(nullptr), rows, pairs, x.stride(0) / 2, weight, n, x.size(1) / 2, panel,

@@ -68,10 +68,17 @@ def test_without_the_panel_kernel_every_weight_stays_with_onednn(monkeypatch: py
     assert PackedLinear(nn.Linear(576, 960)).panel == 0
 
 
+# Runs of rows taken out of 128: one, a few, and from 16 rows (32; 33, split 16 and 17) where a panel's rows
+# may be shared by two threads.
+ROW_SLICES = (
+    slice(0, 1), slice(5, 6), slice(0, 7), slice(60, 73), slice(0, 32), slice(3, 36), slice(0, 128, 2),
+)  # fmt: skip
+
+
 @pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}-threads")
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    """Thread counts that split 9 panels every way: whole panels (1), and from 16 rows a panel in halves
-    between two threads (2: 4.5 panels each; 4: halves at both ends of a thread's run)."""
+    """Thread counts that split 9 panels every way: whole panels (1), and from 16 rows a panel's rows in
+    halves between two threads (2: 4.5 panels each; 4: halves at both ends of a thread's run)."""
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param
@@ -86,7 +93,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool, threads
     together = packed(x)
     onednn = torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
     torch.testing.assert_close(together, onednn, atol=1e-4, rtol=1e-4)
-    for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(60, 73), slice(0, 32), slice(0, 128, 2)):
+    for rows in ROW_SLICES:
         assert torch.equal(packed(x[rows]), together[rows]), rows
 
 
@@ -143,7 +150,7 @@ def test_a_bf16_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool, th
     x = torch.randn(128, 1536, dtype=torch.bfloat16)
     with kernels.amx(False):  # the AVX512_BF16 tiles, up to 128 rows
         together = packed(x)
-        for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(60, 73), slice(0, 32), slice(0, 128, 2)):
+        for rows in ROW_SLICES:
             assert torch.equal(packed(x[rows]), together[rows]), rows
     if kernels.amx_ready():  # AMX tiles up to 64 rows (oneDNN's sums beyond are in another order)
         together = packed(x[:64])
