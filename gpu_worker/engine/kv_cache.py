@@ -2,34 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
-
 import torch
 
 import kernels
 from gpu_worker.engine.config import EngineConfig
-
-MADV_HUGEPAGE = 14  # Linux's madvise advice
-HUGE_PAGE = 2 << 20
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Asks Linux to back `tensor`'s whole 2 MiB pages with transparent huge pages (where they are enabled, on
-    "always" or "madvise"); whether the advice was taken. Only pages not yet touched are affected.
-
-    A decode step reads K and V from blocks that lie anywhere in the pool: with 4 KiB pages nearly every block
-    misses the TLB (docs/kernels.md).
-    """
-    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    start = (tensor.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
-    if end <= start:
-        return False
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) == 0
+from gpu_worker.engine.huge_pages import advise_huge_pages
 
 
 class KVCache:

@@ -16,7 +16,7 @@ from gpu_worker.engine.config import EngineConfig
 from gpu_worker.engine.kv_cache import KVCache
 from gpu_worker.engine.llama_forward import LlamaForward, unsupported_reason
 from gpu_worker.engine.model_loader import load_model, resolve_device, resolve_dtype
-from gpu_worker.engine.packed_linear import pack_linears
+from gpu_worker.engine.packed_linear import pack_linears, weights_into_huge_pages
 from gpu_worker.engine.step_scheduler import StepSchedule
 
 logger = logging.getLogger(__name__)
@@ -201,10 +201,13 @@ def _forward_of(model: PreTrainedModel, model_impl: str) -> nn.Module:
     if model_impl == "pagedserve" and reason is not None:
         raise ValueError(f"model_impl=pagedserve cannot run this model: {reason}")
     if model_impl != "transformers" and reason is None:
-        return LlamaForward(model)
+        forward = LlamaForward(model)
+        weights_into_huge_pages(forward)
+        return forward
     if model_impl == "auto":
         logger.info("the model runs through transformers: %s", reason)
     pack_linears(model)
+    weights_into_huge_pages(model)
     return model
 
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 
 import torch
 from torch import nn
 
 import kernels
+from gpu_worker.engine.huge_pages import collapse_into_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -123,3 +125,25 @@ def pack_linears(model: nn.Module) -> int:
         setattr(model.get_submodule(parent_name), attr, PackedLinear(linear))
     logger.debug("packed %d linear layers for oneDNN", len(targets))
     return len(targets)
+
+
+def weights_into_huge_pages(model: nn.Module) -> int:
+    """Moves every packed weight of `model` into transparent huge pages (huge_pages.collapse_into_huge_pages);
+    returns the bytes now in huge pages. Each decode step streams all of them: with 4 KiB pages, 1-row steps
+    of SmolLM2 in bf16 took 17-19% longer, steps of 32 rows 6-10% (a 2-core AVX-512 EPYC; docs/kernels.md)."""
+    ranges = [
+        (int(torch.ops.mkldnn.data_ptr(m.weight)), int(torch.ops.mkldnn._nbytes(m.weight)))
+        for m in model.modules()
+        if isinstance(m, PackedLinear)
+    ]
+    if not ranges:
+        return 0
+    start = time.perf_counter()
+    done = collapse_into_huge_pages(ranges)
+    logger.info(
+        "packed weights: %.0f MB, %.0f MB of huge pages over them (%.1f s)",
+        sum(size for _, size in ranges) / 1e6,
+        done / 1e6,
+        time.perf_counter() - start,
+    )
+    return done

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.engine.kv_cache import HUGE_PAGE, KVCache, advise_huge_pages
+from gpu_worker.engine.huge_pages import HUGE_PAGE, advise_huge_pages
+from gpu_worker.engine.kv_cache import KVCache
 
 
 def huge_page_advised(address: int) -> bool:

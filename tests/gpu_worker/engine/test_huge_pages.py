@@ -1,0 +1,63 @@
+"""Transparent huge pages under the packed weights."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from gpu_worker.engine.huge_pages import HUGE_PAGE, collapse_into_huge_pages
+from gpu_worker.engine.packed_linear import PackedLinear, packing_supported, weights_into_huge_pages
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's"
+)
+
+
+def huge_bytes_of_mapping(address: int) -> int:
+    """AnonHugePages of the mapping holding `address` (/proc/self/smaps), in bytes."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(not packing_supported(torch.float32), reason="no oneDNN packing here")
+def test_packed_weights_move_into_huge_pages_and_keep_their_values() -> None:
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(1024, 4096))  # 16 MiB of float32 weights
+    x = torch.randn(3, 1024)
+    before = packed(x)
+    done = weights_into_huge_pages(nn.Sequential(packed))
+    if done == 0:
+        pytest.skip("Linux here does not collapse memory into huge pages (MADV_COLLAPSE: 6.1+, THP on)")
+    assert done >= 7 * HUGE_PAGE  # 16 MiB spans at least 7 whole 2 MiB pages, and all of them are anonymous
+    middle = int(torch.ops.mkldnn.data_ptr(packed.weight)) + 8 * (1 << 20)
+    assert huge_bytes_of_mapping(middle) >= 6 * HUGE_PAGE
+    assert torch.equal(packed(x), before)
+
+
+def test_a_files_mapping_is_left_alone() -> None:
+    with tempfile.TemporaryFile() as f:
+        f.truncate(4 * HUGE_PAGE)
+        mapped = mmap.mmap(f.fileno(), 4 * HUGE_PAGE)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        assert collapse_into_huge_pages([(address, 4 * HUGE_PAGE)]) == 0
+        mapped.close()
+
+
+def test_nothing_to_move_moves_nothing() -> None:
+    assert collapse_into_huge_pages([]) == 0
+    assert weights_into_huge_pages(nn.Linear(4, 4)) == 0
