@@ -129,8 +129,8 @@ def pack_linears(model: nn.Module) -> int:
 
 def weights_into_huge_pages(model: nn.Module) -> int:
     """Moves every packed weight of `model` into transparent huge pages (huge_pages.collapse_into_huge_pages);
-    returns the bytes now in huge pages. Each decode step streams all of them: with 4 KiB pages, 1-row steps
-    of SmolLM2 in bf16 took 17-19% longer, steps of 32 rows 6-10% (a 2-core AVX-512 EPYC; docs/kernels.md)."""
+    returns the bytes now in huge pages. Each decode step streams all of them: on huge pages SmolLM2's decode
+    steps take 1.5 to 7% less time (benchmarks/huge_pages.py, docs/kernels.md)."""
     ranges = [
         (int(torch.ops.mkldnn.data_ptr(m.weight)), int(torch.ops.mkldnn._nbytes(m.weight)))
         for m in model.modules()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tests.support import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import cpu_kernel_bench
+import huge_pages
 import memory
 import offline
 import profile_steps
@@ -94,6 +96,21 @@ def test_roofline_smoke(tiny_model_path: str, tmp_path: Path) -> None:
     for r in results["rows"]:
         assert r["step_s"] > 0 and r["over_bound"] > 0
         assert r["where"]["matmul_s"] > 0 and r["where"]["profiled_wall_s"] >= r["where"]["matmul_s"]
+
+
+def test_huge_pages_smoke(tiny_model_path: str, tmp_path: Path) -> None:
+    out, png = tmp_path / "huge_pages.json", tmp_path / "huge_pages.png"
+    results = huge_pages.main(
+        ["--model", tiny_model_path, "--batches", "1", "3", "--steps", "2", "--dtype", "float32",
+         "--kv-mib", "4", "--json", str(out), "--plot", str(png)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == results and png.stat().st_size > 0
+    assert [r["batch"] for r in results["rows"]] == [1, 3]
+    for r in results["rows"]:
+        small, huge = (r[label]["median_s"] for label in huge_pages.SETTINGS)
+        assert 0 < r["4 KiB pages"]["min_s"] <= small and 0 < r["huge pages"]["min_s"] <= huge
+        assert r["huge_over_small"] == pytest.approx(huge / small)
+    assert "PAGEDSERVE_HUGE_PAGES" not in os.environ  # each engine's setting is put back
 
 
 def test_offline_smoke(tiny_model_path: str, tmp_path: Path) -> None:
