@@ -98,6 +98,10 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a.view(bits), b.view(bits))
 
 
+# Floats below the smallest normal one (about 1.18e-38), which bfloat16 holds too.
+SUBNORMALS = torch.tensor([1e-39, -3e-39, 5e-40, 1.1e-38, -7e-41])
+
+
 def assert_avx512_gives_avx2_bits(run: Callable[[], tuple[Tensor, ...]]) -> None:
     """run() (fresh outputs each call) in the ops' AVX2 loops, then in their AVX-512 loops: the same bits."""
     if load_cpu_extension() is None or not torch.cpu._is_avx512_supported():
@@ -118,7 +122,8 @@ def _silu_of(gate_up: Tensor) -> tuple[Tensor, ...]:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_has_the_same_bits_in_its_avx512_and_avx2_loops(dtype: torch.dtype) -> None:
     """The AVX-512 loop takes 16 values a step and leaves the rest of a row to the eight-lane one; NaN, the
-    infinities, the exponential's ends and both zeros in the lanes, rows of every length around 16."""
+    infinities, the exponential's ends and both zeros in the lanes, products too small for a normal float
+    (which AVX512_BF16's rounding would flush to zero), rows of every length around 16."""
     torch.manual_seed(3)
     specials = torch.tensor(
         [float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 0.0, -0.0, 88.5, -88.5]
@@ -126,6 +131,9 @@ def test_silu_and_mul_has_the_same_bits_in_its_avx512_and_avx2_loops(dtype: torc
     for n in (1, 15, 16, 17, 40, 1536):
         gate_up = (torch.randn(5, 2 * n) * 6).to(dtype)
         gate_up[0, : min(n, specials.numel())] = specials[:n].to(dtype)
+        k = min(n, SUBNORMALS.numel())
+        gate_up[1, :k] = 1.0
+        gate_up[1, n : n + k] = SUBNORMALS[:k].to(dtype)  # up: silu(1) times each, subnormal too
         assert_avx512_gives_avx2_bits(functools.partial(_silu_of, gate_up))
 
 
@@ -192,13 +200,17 @@ def test_the_kernels_refuse_what_they_cannot_take() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [8, 20, 64, 576])
 def test_the_norms_have_the_same_bits_in_their_avx512_and_avx2_loops(dtype: torch.dtype, n: int) -> None:
-    """Rows of 16 values a step and the rest by eight or one: the sum, its squares and the scaled row."""
+    """Rows of 16 values a step and the rest by eight or one: the sum, its squares and the scaled row; sums
+    and products below the smallest normal float among them."""
     torch.manual_seed(n)
     x, residual, weight = (
         (torch.randn(5, n) * 3).to(dtype),
         torch.randn(5, n).to(dtype),
         torch.randn(n).to(dtype),
     )
+    k = SUBNORMALS.numel()
+    x[1, :k], residual[1, :k] = SUBNORMALS.to(dtype), 0.0  # subnormal sums
+    weight[-k:] = SUBNORMALS.to(dtype)  # subnormal products
 
     def norms() -> tuple[Tensor, ...]:
         out, x_i, residual_i = torch.empty_like(x), x.clone(), residual.clone()

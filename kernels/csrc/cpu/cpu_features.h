@@ -8,8 +8,9 @@
 namespace pagedserve_cpu_features {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// GCC only: the AVX-512 loops are compiled through its target pragma.
-inline bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f"); }
+// GCC only: the AVX-512 loops are compiled through its target pragma. AVX512DQ as well, which every AVX-512 CPU
+// but the Xeon Phi has: the elementwise ops' loops are compiled for it (llama_ops_avx512.cpp).
+inline bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"); }
 // AVX512_BF16's pair dot product (VDPBF16PS); not turned off with the AVX-512 loops (set_avx512), as nothing
 // else multiplies bfloat16 panels.
 inline bool cpu_has_avx512_bf16() { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
