@@ -3,8 +3,8 @@
 A 4 KiB page covers 64 cache lines. A decode step streams every weight once and reads K and V from blocks
 anywhere in the pool, so with 4 KiB pages nearly every page it touches misses the TLB, and the hardware
 prefetchers, which stop at a page's end, start over every 64 lines. 2 MiB pages take both away
-(docs/kernels.md). PAGEDSERVE_HUGE_PAGES=0 in the environment leaves both on 4 KiB pages (to measure the
-difference).
+(docs/kernels.md). PAGEDSERVE_HUGE_PAGES=0 in the environment asks for neither (to measure the difference;
+where Linux's own setting is "always", it gives huge pages anyway).
 """
 
 from __future__ import annotations
