@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import re
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from torch import nn
 
 from gpu_worker.engine.huge_pages import HUGE_PAGE, collapse_into_huge_pages
 from gpu_worker.engine.packed_linear import PackedLinear, packing_supported, weights_into_huge_pages
+from tests.support.memory_maps import mapping_field
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's"
@@ -23,15 +22,8 @@ pytestmark = pytest.mark.skipif(
 
 def huge_bytes_of_mapping(address: int) -> int:
     """AnonHugePages of the mapping holding `address` (/proc/self/smaps), in bytes."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(" ", 1)[0]
-        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head):
-            low, high = (int(part, 16) for part in head.split("-"))
-            inside = low <= address < high
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    value = mapping_field(address, "AnonHugePages")  # "2048 kB"
+    return int(value.split()[0]) * 1024 if value else 0
 
 
 @pytest.mark.skipif(not packing_supported(torch.float32), reason="no oneDNN packing here")

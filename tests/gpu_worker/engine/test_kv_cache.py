@@ -4,28 +4,19 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from gpu_worker.engine.huge_pages import HUGE_PAGE, advise_huge_pages
 from gpu_worker.engine.kv_cache import KVCache
+from tests.support.memory_maps import mapping_field
 
 
 def huge_page_advised(address: int) -> bool:
     """Whether the mapping holding `address` carries madvise(MADV_HUGEPAGE): "hg" in its VmFlags."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(" ", 1)[0]
-        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head):
-            low, high = (int(part, 16) for part in head.split("-"))
-            inside = low <= address < high
-        elif inside and line.startswith("VmFlags:"):
-            return "hg" in line.split()[1:]
-    return False
+    return "hg" in (mapping_field(address, "VmFlags") or "").split()
 
 
 def test_the_pool_starts_as_zeros_in_every_layer() -> None:
