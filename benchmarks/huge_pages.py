@@ -17,6 +17,7 @@ import os
 import statistics
 import time
 from typing import Any
+from unittest import mock
 
 import torch
 from roofline import decoding
@@ -30,16 +31,9 @@ SETTINGS = {"4 KiB pages": "0", "huge pages": "1"}  # PAGEDSERVE_HUGE_PAGES when
 
 
 def engine_with(setting: str, args: Any, dtype: torch.dtype) -> LLMEngine:
-    before = os.environ.get("PAGEDSERVE_HUGE_PAGES")
-    os.environ["PAGEDSERVE_HUGE_PAGES"] = setting
-    try:
+    with mock.patch.dict(os.environ, {"PAGEDSERVE_HUGE_PAGES": setting}):
         config = EngineConfig(model_impl="pagedserve", kv_cache_memory_bytes=args.kv_mib << 20)
         return LLMEngine(args.model, config, device="cpu", dtype=dtype)
-    finally:
-        if before is None:
-            del os.environ["PAGEDSERVE_HUGE_PAGES"]
-        else:
-            os.environ["PAGEDSERVE_HUGE_PAGES"] = before
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

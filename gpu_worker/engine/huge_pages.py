@@ -12,15 +12,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import logging
 import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 MADV_HUGEPAGE = 14  # Linux's madvise advice: back this range with huge pages where they are enabled
 MADV_COLLAPSE = 25  # Linux 6.1+: replace this range's pages by huge pages now

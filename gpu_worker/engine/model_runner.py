@@ -201,14 +201,14 @@ def _forward_of(model: PreTrainedModel, model_impl: str) -> nn.Module:
     if model_impl == "pagedserve" and reason is not None:
         raise ValueError(f"model_impl=pagedserve cannot run this model: {reason}")
     if model_impl != "transformers" and reason is None:
-        forward = LlamaForward(model)
-        weights_into_huge_pages(forward)
-        return forward
-    if model_impl == "auto":
-        logger.info("the model runs through transformers: %s", reason)
-    pack_linears(model)
-    weights_into_huge_pages(model)
-    return model
+        forward: nn.Module = LlamaForward(model)
+    else:
+        if model_impl == "auto":
+            logger.info("the model runs through transformers: %s", reason)
+        pack_linears(model)
+        forward = model
+    weights_into_huge_pages(forward)
+    return forward
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

@@ -48,9 +48,10 @@ constexpr int64_t kTileRows = 6;     // rows a tile computes: 12 accumulators, t
 constexpr int64_t kBlockK = 64;      // rows of a panel kept in L1 (with the next) while every row tile uses them
 // From this many rows on, the AVX-512 tiles take k in blocks of up to kLongBlock values (288 rows of a bfloat16
 // panel of pairs): a block that stays in L2, not L1. Each row of such a tile does enough work a line to be fed from
-// L2, and each tile call, which loads and stores its sums, runs longer. Measured by benchmarks/panel_linear_bench.py
-// on an AVX-512 EPYC: 4 to 7% faster from 20 to 64 rows in both dtypes; slower at 8 rows, where the weight's
-// stream bounds the product; no faster on the AVX2 tiles (16 to 32 rows).
+// L2, and each tile call, which loads and stores its sums, runs longer. The layers' matmuls of
+// benchmarks/panel_linear_bench.py on an AVX-512 EPYC, timed against blocks of 64 in one process (a switch since
+// removed): 4 to 7% faster from 20 to 64 rows in both dtypes; slower at 8 rows, where the weight's stream bounds
+// the product; no faster on the AVX2 tiles (16 to 32 rows).
 constexpr int64_t kLongBlocksFromRows = 16;
 constexpr int64_t kLongBlock = 576;
 
@@ -135,8 +136,8 @@ int64_t strip_of(int64_t width, int64_t widest) {
 // From this many rows on, where the panels do not share out evenly among the threads (9 panels on 2 threads: 4.5
 // each, not 5 and 4), a panel's rows may be split in halves between two threads. Below it the product is bound
 // by the weight's stream, which each panel read once keeps fastest. Halves of the rows, not of the columns, keep
-// the tiles as wide as the panel (benchmarks/panel_linear_bench.py --dtype bfloat16 on an AVX-512 EPYC: 1 to 2%
-// faster from 16 to 64 rows; level in float32).
+// the tiles as wide as the panel (the same matmuls, timed the same way: 1 to 2% faster in bfloat16 from 16 to 64
+// rows; level in float32).
 constexpr int64_t kHalvesFromRows = 16;
 
 // a [rows, k_size] times the weight as n / panel panels [k_size][panel] of T (a float, or a pair of bfloat16),
