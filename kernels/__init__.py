@@ -45,11 +45,12 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float32, torch.bfloat16)
 # The CPU kernel's head size: a multiple of its vector width (kLanes in csrc/cpu/paged_attention_cpu.cpp).
 CPU_HEAD_SIZE_MULTIPLE = 8
-# On the CPU, prefill chunks of up to this many tokens go through the C++ kernel's AVX-512 loops too, each
+# On the CPU, prefill chunks of up to this many tokens go through the C++ kernel's AVX-512 passes too, each
 # token attending as a decode over its context up to itself (four tokens to a pass over K and V): against SDPA
 # over the gathered context, 6.9x (bf16) and 4.2x (fp32) as fast in chunks of 32, 2.1x and 1.5x at 512, 1.5x
 # and 1.1x at 1024; at 2048 fp32's SDPA is ahead (0.92x), where its blocked matmuls catch up
-# (benchmarks/cpu_kernel_bench.py --prefill-lengths ..., docs/kernels.md).
+# (benchmarks/cpu_kernel_bench.py --prefill-lengths ..., docs/kernels.md). Its AVX2 passes take chunks of up
+# to 128 tokens (kAvx2PrefillTokens in kernels/csrc/cpu/paged_attention_cpu.cpp).
 CPU_PREFILL_KERNEL_TOKENS = 1024
 
 
@@ -113,8 +114,8 @@ def paged_attention(
         return
     cpu_ops = _cpu_ops(k_cache) if query.device.type == "cpu" else None
     if cpu_ops is not None:
-        # The CPU kernel takes the decodes and the prefill chunks up to CPU_PREFILL_KERNEL_TOKENS tokens (in
-        # its AVX-512 loops; the decodes alone in its AVX2 loops), and says up to how many it took.
+        # The CPU kernel takes the decodes and the prefill chunks up to CPU_PREFILL_KERNEL_TOKENS tokens (the
+        # decodes alone where it was built without AVX2), and says up to how many it took.
         longest = int(cpu_ops.paged_attention(*args, CPU_PREFILL_KERNEL_TOKENS))
     else:
         # The kernel takes the decodes and skips every sequence with more than one query token.

@@ -14,7 +14,7 @@ from torch import Tensor
 
 import kernels
 from kernels import copy_blocks, paged_attention, reference, write_kv_cache
-from kernels.build import load_cpu_extension
+from kernels.build import cpu_flags, load_cpu_extension
 from tests.support.kernel_batches import Batch, make_batch, mixed_specs
 
 HEADS = [(4, 4), (9, 3), (8, 2)]  # (num_heads, num_kv_heads): GQA ratios 1, 3, 4
@@ -26,13 +26,13 @@ TWIN_DECODE = reference._decode_batch
 @pytest.fixture(autouse=True, params=["torch", "cpu-kernel", "cpu-kernel-avx2"])
 def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Every test runs on the pure-torch ops and again with decode attention in the CPU C++ kernel: in AVX-512
-    where the CPU has it, and in its AVX2 loops (kernels.avx512(False)) on such a CPU too."""
+    where the CPU has it, and in its AVX2 passes (kernels.avx512(False)) on such a CPU too."""
     if request.param == "torch":
         monkeypatch.setattr(kernels, "_cpu_ops", lambda t: None)
         yield str(request.param)
         return
     if request.param == "cpu-kernel-avx2" and not torch.cpu._is_avx512_supported():
-        pytest.skip("the CPU has no AVX-512: cpu-kernel runs the AVX2 loops already")
+        pytest.skip("the CPU has no AVX-512: cpu-kernel runs the AVX2 passes already")
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler for the CPU kernel")
     assert load_cpu_extension() is not None, "the CPU kernel failed to build (see the log)"
@@ -46,9 +46,10 @@ def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         yield str(request.param)
 
 
-def avx512_loops(implementation: str) -> bool:
-    """Whether the CPU kernel runs its AVX-512 loops in this run of a test."""
-    return implementation == "cpu-kernel" and torch.cpu._is_avx512_supported()
+def kernel_passes(implementation: str) -> bool:
+    """Whether the CPU kernel runs its passes (AVX-512's, or AVX2's where the build has AVX2) in this run of a
+    test, which take prefill chunks too; a build without AVX2 runs plain loops over the decodes alone."""
+    return implementation != "torch" and "-mavx2" in cpu_flags()
 
 
 def dense_attention(
@@ -127,9 +128,9 @@ def test_batch_shapes(num_heads: int, num_kv_heads: int, specs: list[tuple[int, 
 def test_cpu_kernel_takes_prefill_chunks_up_to_its_limit(
     implementation: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the CPU the kernel's AVX-512 loops take every token of the prefill chunks up to
-    CPU_PREFILL_KERNEL_TOKENS, each over its context up to itself; longer chunks, in the same batch, go to the
-    twin's SDPA and their rows are left to it. The AVX2 loops take the decodes alone."""
+    """On the CPU the kernel's passes take every token of the prefill chunks up to CPU_PREFILL_KERNEL_TOKENS,
+    each over its context up to itself; longer chunks, in the same batch, go to the twin's SDPA and their rows
+    are left to it. A build without AVX2 takes the decodes alone."""
     if implementation == "torch":
         pytest.skip("the pure-torch ops take every chunk")
     monkeypatch.setattr(kernels, "CPU_PREFILL_KERNEL_TOKENS", 8)
@@ -145,8 +146,7 @@ def test_cpu_kernel_takes_prefill_chunks_up_to_its_limit(
     specs = [(5, 1), (0, 8), (17, 3), (0, 37), (9, 20), (30, 2)]
     batch = make_batch(specs, 9, 3, 64, 16, seed=11)
     run_and_check(batch, 0.125, atol=1e-5, rtol=1e-5)
-    # The AVX2 loops take the decodes alone.
-    taken = 8 if avx512_loops(implementation) else 1
+    taken = 8 if kernel_passes(implementation) else 1
     assert sorted(to_twin) == sorted(new for _, new in specs if new > taken)
 
     out = torch.full_like(batch.query, float("nan"))
@@ -161,12 +161,30 @@ def test_cpu_kernel_takes_prefill_chunks_up_to_its_limit(
         ops.paged_attention(out, batch.query, batch.k_cache, batch.v_cache, *meta, 0)
 
 
+def test_avx2_passes_leave_chunks_past_128_tokens_to_the_twin(implementation: str) -> None:
+    """The AVX2 passes take prefill chunks of up to 128 tokens, past which SDPA catches up on such CPUs,
+    whatever longer chunk the caller allows; the rows of a longer chunk are left as they are."""
+    avx2 = implementation == "cpu-kernel-avx2" or (
+        implementation == "cpu-kernel" and not torch.cpu._is_avx512_supported()
+    )
+    if not (avx2 and kernel_passes(implementation)):
+        pytest.skip("the AVX2 passes do not run here")
+    specs = [(0, 129), (3, 128), (40, 1)]
+    batch = make_batch(specs, 9, 3, 64, 16, seed=3)
+    write_kv_cache(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.slot_mapping)
+    out = torch.full_like(batch.query, float("nan"))
+    meta = (batch.block_table, batch.seq_lens, batch.query_start_loc, 0.125)
+    ops = load_cpu_extension()
+    assert ops.paged_attention(out, batch.query, batch.k_cache, batch.v_cache, *meta, 1024) == 128
+    assert bool(out[:129].isnan().all()) and not bool(out[129:].isnan().any())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_prefill_tokens_give_their_decodes_bits(implementation: str, dtype: torch.dtype) -> None:
     """In the CPU kernel a prefill chunk's token gives the bits it gives as a decode over its own context:
     taken with the tokens after it (whose positions it gives weight 0), none of its sums changes."""
-    if not avx512_loops(implementation):
-        pytest.skip("prefill chunks run in the AVX-512 loops")
+    if not kernel_passes(implementation):
+        pytest.skip("no kernel passes in this run: the twin, or a build without AVX2")
     specs = [(0, 11), (21, 6), (5, 1), (0, 3)]
     batch = make_batch(specs, 9, 3, 64, 16, seed=5, dtype=dtype)
     write_kv_cache(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.slot_mapping)

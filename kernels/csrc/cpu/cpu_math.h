@@ -62,32 +62,34 @@ inline __m256 load8(const c10::BFloat16* p) {
 }
 #endif
 
-// e^x of n floats (in place), n a multiple of 8 where AVX2 is built in. x = k ln2 + r with |r| <= ln2 / 2:
-// e^r from its Taylor series up to r^7 (the rest is under 1e-8 of it), scaled by 2^k through the exponent
-// bits; within a float's rounding of std::exp, as torch's own vectorized exp is.
+// e^x of eight floats (exp8), and of n floats in place (n a multiple of 8 where AVX2 is built in). x = k ln2 + r
+// with |r| <= ln2 / 2: e^r from its Taylor series up to r^7 (the rest is under 1e-8 of it), scaled by 2^k
+// through the exponent bits; within a float's rounding of std::exp, as torch's own vectorized exp is.
 constexpr int64_t kExpWidth = 8;
-inline void exp_in_place(float* x, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp8(__m256 given) {
   const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
   const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
   // ln2 in two parts: the first has few bits, so k times it is exact.
   const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
   const float taylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-  for (int64_t i = 0; i < n; i += kExpWidth) {
-    const __m256 given = _mm256_loadu_ps(x + i);
-    const __m256 v = _mm256_min_ps(_mm256_max_ps(given, lo), hi);
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_fnmadd_ps(k, ln2_lo, _mm256_fnmadd_ps(k, ln2_hi, v));
-    __m256 p = _mm256_set1_ps(taylor[0]);
-    for (int j = 1; j < 8; ++j) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(taylor[j]));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-    // Past the clamps: e^x overflows to infinity, or is (nearly) nothing; a NaN stays a NaN.
-    e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(given, hi, _CMP_GT_OQ));
-    e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(given, lo, _CMP_LT_OQ));
-    e = _mm256_blendv_ps(e, given, _mm256_cmp_ps(given, given, _CMP_UNORD_Q));
-    _mm256_storeu_ps(x + i, e);
-  }
+  const __m256 v = _mm256_min_ps(_mm256_max_ps(given, lo), hi);
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(k, ln2_lo, _mm256_fnmadd_ps(k, ln2_hi, v));
+  __m256 p = _mm256_set1_ps(taylor[0]);
+  for (int j = 1; j < 8; ++j) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(taylor[j]));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+  // Past the clamps: e^x overflows to infinity, or is (nearly) nothing; a NaN stays a NaN.
+  e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(given, hi, _CMP_GT_OQ));
+  e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(given, lo, _CMP_LT_OQ));
+  return _mm256_blendv_ps(e, given, _mm256_cmp_ps(given, given, _CMP_UNORD_Q));
+}
+#endif
+
+inline void exp_in_place(float* x, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int64_t i = 0; i < n; i += kExpWidth) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
 #else
   for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
 #endif

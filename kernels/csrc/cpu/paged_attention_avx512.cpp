@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "paged_attention_avx512.h"
+#include "paged_attention_passes.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
@@ -71,49 +71,6 @@ inline __m512 lane_sums(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
-
-// The lines of the block a pass reads next, asked of L2 a few at a time while the pass works on this one. A
-// sequence's blocks lie anywhere in the pool and the hardware prefetcher does not follow the jump from one to
-// the next, so without this each block's first lines wait on memory; and asked all at once, the lines fill the
-// core's few outstanding misses and the pass waits until most of them arrive, memory and arithmetic one after
-// the other. Spread over the block's work, they arrive while it is done, in address order, which the hardware
-// prefetcher follows too (benchmarks/cpu_kernel_bench.py --pool-gib 2: on an AMD EPYC with AVX-512, 32 and 64
-// sequences of 256 tokens take 20-40% less time than with the whole block asked at the block's start).
-struct Ahead {
-  const int64_t row_bytes;    // the item's bytes of a row (its KV heads side by side)
-  const int64_t stride;       // bytes from a row to the next
-  const char* row = nullptr;  // the row the next line is in
-  int64_t offset = 0;         // the next line's bytes into it
-  int64_t lines = 0;          // lines not yet asked
-  int64_t quota = 0;          // of which the pass at work may ask
-
-  // Asks for a block's first `rows` rows, from `first`.
-  void start(const void* first, int64_t rows) {
-    row = static_cast<const char*>(first);
-    offset = 0;
-    lines = rows * ((row_bytes + 63) / 64);
-  }
-
-  // The next pass's share of what is left, when `passes` passes (this one included) are left in the block.
-  void give(int64_t passes) { quota = (lines + passes - 1) / passes; }
-
-  // Up to n lines of the pass's quota.
-  void ask(int64_t n) {
-    for (n = n < quota ? n : quota; n > 0; --n) {
-      _mm_prefetch(row + offset, _MM_HINT_T1);
-      offset += 64;
-      if (offset >= row_bytes) {
-        offset = 0;
-        row += stride;
-      }
-      --quota;
-      --lines;
-    }
-  }
-
-  // The pass's quota spread evenly over its `steps` steps left: this step's part.
-  void step(int64_t steps) { ask((quota + steps - 1) / steps); }
-};
 
 // A query's products with a K row, added chunk by chunk: 16 partial sums.
 template <typename T, int NC>

@@ -6,10 +6,11 @@
 // on a CPU costs more than the attention itself. Here each (sequence, KV head) pair reads its K and V rows once,
 // straight from the pool through the block table, for all query heads that share that KV head (and, in a
 // prefill chunk, for a few tokens at once). float32 and bfloat16 (read as float, accumulated in float); the
-// Python side keeps float16, and head sizes that are not a multiple of 8, on the twin. Where the CPU has
-// AVX-512 and the head size is a multiple of 16 up to 128, the loops of paged_attention_avx512.cpp run instead
-// (PAGEDSERVE_AVX512=0 keeps these), with each thread's share of the sequences balanced by their contexts; their
-// bf16 scores by AVX512_BF16's pair dot product where the CPU has it.
+// Python side keeps float16, and head sizes that are not a multiple of 8, on the twin. The passes over a
+// sequence's rows are paged_attention_avx512.cpp's where the CPU has AVX-512 and the head size is a multiple of
+// 16 up to 128 (their bf16 scores by AVX512_BF16's pair dot product where the CPU has it), else
+// paged_attention_avx2.cpp's (PAGEDSERVE_AVX512=0 keeps these on an AVX-512 CPU); a build without AVX2 runs plain
+// loops over the decodes alone.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -24,7 +25,7 @@
 
 #include "cpu_features.h"
 #include "cpu_math.h"
-#include "paged_attention_avx512.h"
+#include "paged_attention_passes.h"
 
 namespace {
 
@@ -108,7 +109,7 @@ void attend(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
             const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc, double scale,
             int64_t longest);
 
-// Whether the AVX-512 loops take this head size (else the AVX2 loops).
+// Whether the AVX-512 passes take this head size (else the AVX2 ones).
 bool avx512_loops(int64_t head_size) {
   return pagedserve_cpu_features::avx512_enabled() && head_size % 16 == 0 && head_size <= 128;
 }
@@ -163,14 +164,24 @@ void paged_attention_decode(Tensor& out, const Tensor& query, const Tensor& k_ca
   paged_attention_upto(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, 1);
 }
 
-// Every query token, of decodes and of prefill chunks of up to `longest` tokens where the AVX-512 loops run;
-// the AVX2 loops take the decodes alone (a token at a time, they fall behind SDPA from about 100 tokens a
-// chunk). Returns the longest chunk taken.
+// The longest prefill chunk the AVX2 passes take: past it SDPA over the gathered context catches up
+// (benchmarks/cpu_kernel_bench.py --prefill-lengths on an AVX2 EPYC, fp32: 4.7x SDPA's speed in chunks of 32,
+// 1.14x at 128, level at 512, 0.62x at 1024; 1.37x in chunks of 32 after 256 cached tokens, 0.86x at 256).
+constexpr int64_t kAvx2PrefillTokens = 128;
+
+// Every query token, of decodes and of prefill chunks of up to `longest` tokens, where the CPU has the AVX-512
+// passes (up to kAvx2PrefillTokens in the AVX2 ones); the plain loops of a build without AVX2 take the decodes
+// alone. Returns the longest chunk taken.
 int64_t paged_attention_cpu(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
                             const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc,
                             double scale, int64_t longest) {
   PAGEDSERVE_CHECK(longest >= 1, "longest must be at least 1, got ", longest);
-  const int64_t taken = avx512_loops(k_cache.size(-1)) ? longest : 1;
+  int64_t taken = 1;  // the plain loops: the decodes alone
+  if (avx512_loops(k_cache.size(-1))) {
+    taken = longest;
+  } else if (pagedserve_cpu_attention::avx2_passes()) {
+    taken = std::min(longest, kAvx2PrefillTokens);
+  }
   paged_attention_upto(out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, taken);
   return taken;
 }
@@ -208,25 +219,26 @@ struct Pool {
 // Each head's scores padded to the exponential's width, the padding -inf (its weights come out 0).
 inline int64_t padded(int64_t ctx) { return (ctx + kExpWidth - 1) / kExpWidth * kExpWidth; }
 
-// Prefill tokens of one sequence that the AVX-512 loops take as one work item: their K and V rows are read once
+// Prefill tokens of one sequence that the passes take as one work item: their K and V rows are read once
 // for all of them, the query heads of a token beside those of the next.
 constexpr int64_t kTokensTogether = 4;
 
-// A work item of the AVX-512 loops: `tokens` consecutive query tokens of a sequence from `token` on, the last
+// A work item of the passes: `tokens` consecutive query tokens of a sequence from `token` on, the last
 // over ctx positions and each one before it over one fewer, against `kv_heads` KV heads from first_kv. Either
 // one token (a decode) or one KV head (a prefill run).
 struct Item {
   int64_t seq, token, tokens, ctx, first_kv, kv_heads;
 };
 
-// The AVX-512 loops (paged_attention_avx512.cpp). A decode is one work item over all its KV heads (each
-// block's rows read whole), or one per KV head when there are too few tokens to keep every thread busy (a single
-// long context). A prefill chunk is one item per KV head and run of kTokensTogether tokens: the run's query heads
-// go through the loops as the heads of one query over the last token's context, and each earlier token's scores
-// past its own context are set to -inf before the softmax, so their weights come out 0 (the same sums, bit for
-// bit, as the token alone over its own context). Each thread takes a share of the items of about equal work.
+// The passes over the rows: AVX-512's, or AVX2's (paged_attention_avx512.cpp, paged_attention_avx2.cpp). A
+// decode is one work item over all its KV heads (each block's rows read whole), or one per KV head when there are
+// too few tokens to keep every thread busy (a single long context). A prefill chunk is one item per KV head and
+// run of kTokensTogether tokens: the run's query heads go through the passes as the heads of one query over the
+// last token's context, and each earlier token's scores past its own context are set to -inf before the softmax,
+// so their weights come out 0 (the same sums, bit for bit, as the token alone over its own context). Each thread
+// takes a share of the items of about equal work.
 template <typename T>
-void attend_avx512(const Pool<T>& p, const std::vector<Query>& queries) {
+void attend_passes(const Pool<T>& p, const std::vector<Query>& queries, bool avx512) {
   const int64_t threads = at::get_num_threads(), num_kv_heads = p.num_kv_heads, head_size = p.head_size;
   const int64_t per_decode = static_cast<int64_t>(queries.size()) >= 2 * threads ? num_kv_heads : 1;
   std::vector<Item> items;
@@ -249,7 +261,7 @@ void attend_avx512(const Pool<T>& p, const std::vector<Query>& queries) {
   }
   const int64_t most_heads = std::max(num_kv_heads, kTokensTogether) * p.group;
   const bool bf16 = std::is_same_v<T, c10::BFloat16>;
-  const bool pairs = bf16 && pagedserve_cpu_features::cpu_has_avx512_bf16();
+  const bool pairs = avx512 && bf16 && pagedserve_cpu_features::cpu_has_avx512_bf16();
   const std::vector<std::vector<int64_t>> shares = balance(
       static_cast<int64_t>(items.size()), threads,
       [&](int64_t i) { return items[i].ctx * items[i].tokens * items[i].kv_heads; });
@@ -284,16 +296,25 @@ void attend_avx512(const Pool<T>& p, const std::vector<Query>& queries) {
                                                   item.tokens * p.group,
                                                   p.scale,
                                                   i + 1 < mine.size() ? first_k(items[mine[i + 1]]) : nullptr};
-        pagedserve_cpu_attention::scores_avx512(rows, q.data(), scores.data(), stride);
+        if (avx512) {
+          pagedserve_cpu_attention::scores_avx512(rows, q.data(), scores.data(), stride);
+        } else {
+          pagedserve_cpu_attention::scores_avx2(rows, q.data(), scores.data(), stride);
+        }
         for (int64_t t = 0; t + 1 < item.tokens; ++t) {  // past each earlier token's own context
           const int64_t own = ctx - (item.tokens - 1 - t);
           for (int64_t h = t * heads; h < (t + 1) * heads; ++h) {
             std::fill(&scores[h * stride + own], &scores[h * stride + ctx], -std::numeric_limits<float>::infinity());
           }
         }
-        pagedserve_cpu_attention::exponentiate_avx512(scores.data(), all, stride, ctx, sums.data());
         std::fill(acc.begin(), acc.end(), 0.f);
-        pagedserve_cpu_attention::weighted_sum_avx512(rows, scores.data(), stride, acc.data());
+        if (avx512) {
+          pagedserve_cpu_attention::exponentiate_avx512(scores.data(), all, stride, ctx, sums.data());
+          pagedserve_cpu_attention::weighted_sum_avx512(rows, scores.data(), stride, acc.data());
+        } else {
+          pagedserve_cpu_attention::exponentiate_avx2(scores.data(), all, stride, ctx, sums.data());
+          pagedserve_cpu_attention::weighted_sum_avx2(rows, scores.data(), stride, acc.data());
+        }
         for (int64_t t = 0; t < item.tokens; ++t) {
           p.write_outputs(item.token + t, head, heads, &acc[t * heads * head_size], &sums[t * heads]);
         }
@@ -302,12 +323,10 @@ void attend_avx512(const Pool<T>& p, const std::vector<Query>& queries) {
   });
 }
 
-// The AVX2 loops. One work item per query token: its K rows, then its V rows, are read in order, all KV heads
-// of a token at once (one contiguous row of the block), so each cache line is fetched once and the prefetcher
-// sees a stream. Each thread takes a share of the tokens of about equal context (a prefill chunk's later
-// tokens see more).
+// The loops of a build without AVX2. One work item per query token: its K rows, then its V rows, are read in
+// order, all KV heads of a token at once. Each thread takes a share of the tokens of about equal context.
 template <typename T>
-void attend_avx2(const Pool<T>& p, const std::vector<Query>& queries) {
+void attend_plain(const Pool<T>& p, const std::vector<Query>& queries) {
   const int64_t num_heads = p.num_kv_heads * p.group, head_size = p.head_size;
   const std::vector<std::vector<int64_t>> shares = balance(static_cast<int64_t>(queries.size()),
                                                            at::get_num_threads(),
@@ -317,32 +336,29 @@ void attend_avx2(const Pool<T>& p, const std::vector<Query>& queries) {
     for (int64_t share = first_share; share < last_share; ++share) {
       for (const int64_t item : shares[share]) {
         const Query& query = queries[item];
-        const int64_t ctx = query.ctx, token = query.token, stride = padded(ctx);
+        const int64_t ctx = query.ctx, stride = padded(ctx);
         const int32_t* row = p.table + query.seq * p.max_blocks;
-        p.load_queries(token, 0, num_heads, q.data());
+        p.load_queries(query.token, 0, num_heads, q.data());
         scores.assign(num_heads * stride, -std::numeric_limits<float>::infinity());
-        // Pass 1: scores of every query head against every K row.
         for (int64_t pos = 0; pos < ctx; ++pos) {
-          const int64_t block = row[pos / p.block_size];  // widened before the stride multiply
-          const T* k_row = p.k + block * p.c_block + (pos % p.block_size) * p.c_token;
+          const T* k_row = p.k + static_cast<int64_t>(row[pos / p.block_size]) * p.c_block +
+                           (pos % p.block_size) * p.c_token;
           for (int64_t h = 0; h < num_heads; ++h) {
             scores[h * stride + pos] =
                 dot(q.data() + h * head_size, k_row + (h / p.group) * p.c_head, head_size) * p.scale;
           }
         }
-        // Pass 2: softmax weights.
         exponentiate(scores.data(), num_heads, stride, ctx, sums.data());
-        // Pass 3: the weighted sum of the V rows.
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t pos = 0; pos < ctx; ++pos) {
-          const int64_t block = row[pos / p.block_size];
-          const T* v_row = p.v + block * p.c_block + (pos % p.block_size) * p.c_token;
+          const T* v_row = p.v + static_cast<int64_t>(row[pos / p.block_size]) * p.c_block +
+                           (pos % p.block_size) * p.c_token;
           for (int64_t h = 0; h < num_heads; ++h) {
             axpy(acc.data() + h * head_size, scores[h * stride + pos], v_row + (h / p.group) * p.c_head,
                  head_size);
           }
         }
-        p.write_outputs(token, 0, num_heads, acc.data(), sums.data());
+        p.write_outputs(query.token, 0, num_heads, acc.data(), sums.data());
       }
     }
   });
@@ -378,10 +394,10 @@ void attend(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
                      table, max_blocks, block_size, num_kv_heads, head_size,
                      num_heads / num_kv_heads, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
-  if (avx512_loops(head_size)) {
-    attend_avx512(pool, queries);
+  if (avx512_loops(head_size) || pagedserve_cpu_attention::avx2_passes()) {
+    attend_passes(pool, queries, avx512_loops(head_size));
   } else {
-    attend_avx2(pool, queries);
+    attend_plain(pool, queries);
   }
 }
 
@@ -392,8 +408,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
   // The same for every query token of the decodes and of the prefill chunks of up to `longest` tokens (where
-  // the AVX-512 loops run; else the decodes alone), each over its context up to itself; longer chunks' rows of
-  // out are left as they are. Returns the longest chunk it took.
+  // the passes run; in a build without AVX2, the decodes alone), each over its context up to itself; longer
+  // chunks' rows of out are left as they are. Returns the longest chunk it took.
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, int longest) -> int");
