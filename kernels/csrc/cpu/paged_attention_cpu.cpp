@@ -262,6 +262,18 @@ void attend_passes(const Pool<T>& p, const std::vector<Query>& queries, bool avx
   const int64_t most_heads = std::max(num_kv_heads, kTokensTogether) * p.group;
   const bool bf16 = std::is_same_v<T, c10::BFloat16>;
   const bool pairs = avx512 && bf16 && pagedserve_cpu_features::cpu_has_avx512_bf16();
+  // The three passes of one instruction set, chosen once for the call.
+  struct Passes {
+    decltype(&pagedserve_cpu_attention::scores_avx512) scores;
+    decltype(&pagedserve_cpu_attention::exponentiate_avx512) exponentiate;
+    decltype(&pagedserve_cpu_attention::weighted_sum_avx512) weighted_sum;
+  };
+  const Passes passes = avx512 ? Passes{pagedserve_cpu_attention::scores_avx512,
+                                        pagedserve_cpu_attention::exponentiate_avx512,
+                                        pagedserve_cpu_attention::weighted_sum_avx512}
+                               : Passes{pagedserve_cpu_attention::scores_avx2,
+                                        pagedserve_cpu_attention::exponentiate_avx2,
+                                        pagedserve_cpu_attention::weighted_sum_avx2};
   const std::vector<std::vector<int64_t>> shares = balance(
       static_cast<int64_t>(items.size()), threads,
       [&](int64_t i) { return items[i].ctx * items[i].tokens * items[i].kv_heads; });
@@ -296,11 +308,7 @@ void attend_passes(const Pool<T>& p, const std::vector<Query>& queries, bool avx
                                                   item.tokens * p.group,
                                                   p.scale,
                                                   i + 1 < mine.size() ? first_k(items[mine[i + 1]]) : nullptr};
-        if (avx512) {
-          pagedserve_cpu_attention::scores_avx512(rows, q.data(), scores.data(), stride);
-        } else {
-          pagedserve_cpu_attention::scores_avx2(rows, q.data(), scores.data(), stride);
-        }
+        passes.scores(rows, q.data(), scores.data(), stride);
         for (int64_t t = 0; t + 1 < item.tokens; ++t) {  // past each earlier token's own context
           const int64_t own = ctx - (item.tokens - 1 - t);
           for (int64_t h = t * heads; h < (t + 1) * heads; ++h) {
@@ -308,13 +316,8 @@ void attend_passes(const Pool<T>& p, const std::vector<Query>& queries, bool avx
           }
         }
         std::fill(acc.begin(), acc.end(), 0.f);
-        if (avx512) {
-          pagedserve_cpu_attention::exponentiate_avx512(scores.data(), all, stride, ctx, sums.data());
-          pagedserve_cpu_attention::weighted_sum_avx512(rows, scores.data(), stride, acc.data());
-        } else {
-          pagedserve_cpu_attention::exponentiate_avx2(scores.data(), all, stride, ctx, sums.data());
-          pagedserve_cpu_attention::weighted_sum_avx2(rows, scores.data(), stride, acc.data());
-        }
+        passes.exponentiate(scores.data(), all, stride, ctx, sums.data());
+        passes.weighted_sum(rows, scores.data(), stride, acc.data());
         for (int64_t t = 0; t < item.tokens; ++t) {
           p.write_outputs(item.token + t, head, heads, &acc[t * heads * head_size], &sums[t * heads]);
         }
