@@ -143,6 +143,31 @@ def test_the_bf16_panel_kernel_rounds_float32_sums_once(num_rows: int, bias: boo
     assert (out != onednn).float().mean() < 0.05  # a few ties apart, not a different product
 
 
+@pytest.mark.parametrize("num_rows", [4, 33])  # blocks of K of 64 pairs, and of 288 (from 16 rows)
+def test_the_bf16_panel_kernel_rounds_sums_as_a_tensor_rounds_them(num_rows: int) -> None:
+    """Sums exact in float32 come out as `Tensor.to(torch.bfloat16)` gives them: halfway cases to even, a sum
+    past float32's range as infinity, a NaN as a NaN. K spans several blocks, so each sum is carried across
+    blocks before the last one rounds it."""
+    weight = torch.zeros(128, 1536)
+    weight[0::4, 0], weight[0::4, 1000] = 1.0, 2.0**-8  # 1 + 2^-8: halfway between 1 and 1 + 2^-7, to 1
+    weight[1::4, 0], weight[1::4, 1000] = 1.0 + 2.0**-7, 2.0**-8  # 1 + 3 * 2^-8: to 1 + 2^-6
+    weight[2::4, 1535] = -3.0
+    weight[3::4, 700] = 2.0**100  # 2^200: past float32's range
+    linear = nn.Linear(1536, 128, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    packed = bf16_panelled(linear)
+    x = torch.zeros(num_rows, 1536)
+    x[:, 0], x[:, 1000], x[:, 1535], x[:, 700] = 1.0, 1.0, 2.0**-60, 2.0**100
+    x[-1, 5] = float("nan")
+    with kernels.amx(False):
+        out = packed(x.to(torch.bfloat16))
+    expected = (x.double() @ weight.double().T).float().to(torch.bfloat16)
+    assert torch.equal(out[:-1], expected[:-1])
+    assert out[:-1, 0].eq(1.0).all() and out[:-1, 1].eq(1.0 + 2.0**-6).all() and out[:-1, 3].isinf().all()
+    assert out[-1].isnan().all()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_bf16_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool, threads: int) -> None:
     torch.manual_seed(2)
