@@ -12,7 +12,9 @@ its pure-torch twin (gather the context, then SDPA). Each timed call goes throug
 forward pass reads every layer's K/V once, so caches are cold as in a model; the time is per layer, best of
 --repeats. By default each layer's pool holds just the batch's blocks; --pool-gib G takes them instead at
 random from the engine's own pool (KVCache, in transparent huge pages where Linux grants them) of G GiB over
-all layers, as a serving engine's blocks lie.
+all layers, as a serving engine's blocks lie. --adjacent-blocks lays each sequence's blocks side by side
+instead, which prices the jumps between scattered blocks. GB/s: the K and V rows' bytes over the kernel's
+time.
 With --prefill-lengths, prefill attention too: chunks of each length (after --prefill-prefix cached tokens),
 as many as make --prefill-tokens, every token through the C++ kernel
 (torch.ops.pagedserve_cpu.paged_attention) against the twin's SDPA over each chunk's gathered context.
@@ -86,13 +88,23 @@ def kernel_against_twin(
 
 
 def attention_case(
-    batch: int, context: int, layers: int, repeats: int, pool_gib: float, dtype: torch.dtype
+    batch: int,
+    context: int,
+    layers: int,
+    repeats: int,
+    pool_gib: float,
+    dtype: torch.dtype,
+    adjacent: bool = False,
 ) -> dict[str, Any]:
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
     caches = pools(num_blocks, layers, pool_gib, dtype)
-    # The batch's blocks, anywhere in the pool.
-    chosen = torch.randperm(caches[0][0].shape[0], dtype=torch.int32)[:num_blocks]
+    pool_blocks = caches[0][0].shape[0]
+    if adjacent:  # each sequence's blocks side by side, the batch's from a random place in the pool
+        start = int(torch.randint(pool_blocks - num_blocks + 1, ()))
+        chosen = torch.arange(start, start + num_blocks, dtype=torch.int32)
+    else:  # the batch's blocks, anywhere in the pool
+        chosen = torch.randperm(pool_blocks, dtype=torch.int32)[:num_blocks]
     block_table = chosen.view(batch, blocks_per_seq).contiguous()
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32)
@@ -106,8 +118,9 @@ def attention_case(
         (out_kernel, out_twin),
         repeats,
     )
+    rows_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_SIZE * dtype.itemsize  # K and V, read once
     return {"batch": batch, "context": context, "kernel_ms": kernel_ms, "twin_ms": twin_ms,
-            "speedup": twin_ms / kernel_ms}  # fmt: skip
+            "speedup": twin_ms / kernel_ms, "kernel_gb_s": rows_bytes / kernel_ms / 1e6}  # fmt: skip
 
 
 def prefill_case(
@@ -166,6 +179,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="K, V, queries")
     parser.add_argument("--pool-gib", type=float, default=0, help="blocks from the engine's pool, this big")
     parser.add_argument(
+        "--adjacent-blocks",
+        action="store_true",
+        help="each decode sequence's blocks side by side in the pool, not scattered: what the jumps cost",
+    )
+    parser.add_argument(
         "--prefill-lengths",
         type=int,
         nargs="*",
@@ -181,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         assert kernels.load(torch.device("cpu"), dtype), "the CPU kernel did not build; see the log"
         common = (args.layers, args.repeats, args.pool_gib, dtype)
         attention = [
-            attention_case(b, c, args.layers, args.repeats, args.pool_gib, dtype)
+            attention_case(b, c, *common, adjacent=args.adjacent_blocks)
             for b in args.batches
             for c in args.contexts
         ]
@@ -191,11 +209,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         weight = torch.randn(args.vocab, HIDDEN)
         lm_head = [lm_head_case(r, args.repeats, weight) for r in args.head_rows]
     pool = f"blocks from a {args.pool_gib:g} GiB pool" if args.pool_gib else "pools of the batch's blocks"
-    print(f"decode attention per layer, {args.dtype}, {pool}, {torch.get_num_threads()} threads, cold caches")
-    print(f"{'batch':>5} {'context':>7} {'kernel ms':>10} {'twin ms':>8} {'speedup':>8}")
+    order = "each sequence's side by side" if args.adjacent_blocks else "scattered"
+    print(f"decode attention per layer, {args.dtype}, {pool} ({order}), {torch.get_num_threads()} threads, "
+          "cold caches")  # fmt: skip
+    print(f"{'batch':>5} {'context':>7} {'kernel ms':>10} {'GB/s':>6} {'twin ms':>8} {'speedup':>8}")
     for r in attention:
-        row = f"{r['batch']:5d} {r['context']:7d} {r['kernel_ms']:10.3f} {r['twin_ms']:8.3f}"
-        print(f"{row} {r['speedup']:7.1f}x")
+        row = f"{r['batch']:5d} {r['context']:7d} {r['kernel_ms']:10.3f} {r['kernel_gb_s']:6.1f}"
+        print(f"{row} {r['twin_ms']:8.3f} {r['speedup']:7.1f}x")
     if prefill:
         print(f"prefill attention per layer, {args.prefill_prefix} cached tokens before each chunk")
         print(f"{'chunk':>6} {'chunks':>6} {'kernel ms':>10} {'twin ms':>8} {'speedup':>8}")

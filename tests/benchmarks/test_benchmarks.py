@@ -201,6 +201,16 @@ def test_cpu_kernel_bench_takes_blocks_from_the_engines_pool_in_bf16(tmp_path: P
     )  # fmt: skip
     assert results["args"]["pool_gib"] == 0.01 and results["args"]["dtype"] == "bfloat16"
     assert results["attention"][0]["kernel_ms"] > 0
+    # K and V of 3 sequences x 40 tokens x 3 KV heads x 64 values, 2 bytes each, over the kernel's time.
+    assert results["attention"][0]["kernel_gb_s"] * 1e6 * results["attention"][0][
+        "kernel_ms"
+    ] == pytest.approx(2 * 3 * 40 * 3 * 64 * 2)
+    adjacent = cpu_kernel_bench.main(
+        ["--batches", "3", "--contexts", "40", "--layers", "2", "--head-rows", "1", "--vocab", "512",
+         "--repeats", "1", "--dtype", "bfloat16", "--pool-gib", "0.01", "--adjacent-blocks",
+         "--json", str(out)]
+    )  # fmt: skip
+    assert adjacent["args"]["adjacent_blocks"] and adjacent["attention"][0]["kernel_ms"] > 0
     with pytest.raises(AssertionError, match="holds"):
         cpu_kernel_bench.main(
             ["--batches", "64", "--contexts", "2048", "--layers", "2", "--head-rows", "1", "--vocab", "512",
