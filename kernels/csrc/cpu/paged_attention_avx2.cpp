@@ -104,27 +104,6 @@ void add_rows_of(int64_t heads, int64_t chunks, const float* weights, int64_t st
   kAdds[heads - 1][chunks - 1](weights, stride, first, rows, c_token, acc, head_size, ahead);
 }
 
-// Every block of the item's context from `base` (K or V), in turn: pass(block, first position, rows), with the
-// next block's lines (after the last, `then`'s, where given) asked for through `ahead` over the block's work.
-template <typename T, typename Pass>
-void over_blocks(const Rows& r, const T* base, const T* then, Ahead& ahead, Pass pass) {
-  for (int64_t first = 0; first < r.ctx; first += r.block_size) {
-    const T* block = base + static_cast<int64_t>(r.row[first / r.block_size]) * r.c_block;  // widened first
-    const int64_t rows = std::min(r.block_size, r.ctx - first), next = first + r.block_size;
-    if (next < r.ctx) {
-      ahead.start(base + static_cast<int64_t>(r.row[next / r.block_size]) * r.c_block,
-                  std::min(r.block_size, r.ctx - next));
-    } else if (then) {
-      ahead.start(then, r.block_size);  // rows past a context are the block's own bytes
-    }
-    pass(block, first, rows);
-  }
-}
-
-Ahead ahead_of(const Rows& r, int64_t element) {
-  return Ahead{r.num_kv_heads * r.head_size * element, r.c_token * element};
-}
-
 template <typename T>
 void scores_of(const Rows& r, const float* q, float* scores, int64_t stride) {
   const T* k = static_cast<const T*>(r.k);

@@ -123,28 +123,18 @@ constexpr int heads_together() {
   return NC <= 3 ? 4 : NC <= 4 ? 3 : NC <= 6 ? 2 : 1;
 }
 
-// Every KV head of the item, a block at a time: kHeads query heads of one KV head at a time (the last few one by
-// one) read the block's rows of that head, from memory for the first of them and from L1 for the others. The
-// next block's lines are shared out among the passes; `then`, where given, is the block read after the last
-// one (the V pass's first block after the K pass, the next item's first K block after the V pass).
+// Every KV head of the item, a block at a time (over_blocks): kHeads query heads of one KV head at a time (the
+// last few one by one) read the block's rows of that head, from memory for the first of them and from L1 for the
+// others. The next block's lines are shared out among the passes; `then`, where given, is the block read after
+// the last one (the V pass's first block after the K pass, the next item's first K block after the V pass).
 // pass(heads, first query head, first position, the head's rows of the block, rows, ahead), heads an
 // integral_constant.
 template <typename T, int NC, typename Pass>
-void over_blocks(const Rows& r, const T* base, const T* then, Pass pass) {
+void by_head_groups(const Rows& r, const T* base, const T* then, Pass pass) {
   constexpr int kHeads = heads_together<NC>();
   const int64_t passes = r.num_kv_heads * (r.group / kHeads + r.group % kHeads);
-  Ahead ahead{r.num_kv_heads * r.head_size * static_cast<int64_t>(sizeof(T)),
-              r.c_token * static_cast<int64_t>(sizeof(T))};
-  for (int64_t first = 0; first < r.ctx; first += r.block_size) {
-    const T* block = base + static_cast<int64_t>(r.row[first / r.block_size]) * r.c_block;  // widened first
-    const int64_t rows = first + r.block_size <= r.ctx ? r.block_size : r.ctx - first;
-    const int64_t next = first + r.block_size;
-    if (next < r.ctx) {
-      const int64_t next_rows = next + r.block_size <= r.ctx ? r.block_size : r.ctx - next;
-      ahead.start(base + static_cast<int64_t>(r.row[next / r.block_size]) * r.c_block, next_rows);
-    } else if (then) {
-      ahead.start(then, r.block_size);  // rows past a context are the block's own bytes
-    }
+  Ahead ahead = ahead_of(r, sizeof(T));
+  over_blocks(r, base, then, ahead, [&](const T* block, int64_t first, int64_t rows) {
     int64_t left = passes;
     for (int64_t g = 0; g < r.num_kv_heads; ++g) {
       const T* rows_of_head = block + g * r.c_head;
@@ -160,18 +150,18 @@ void over_blocks(const Rows& r, const T* base, const T* then, Pass pass) {
         ahead.ask(ahead.quota);
       }
     }
-  }
+  });
 }
 
 template <typename T, int NC>
 void scores_of(const Rows& r, const float* q, float* scores, int64_t stride) {
   const T* v_first = static_cast<const T*>(r.v) + static_cast<int64_t>(r.row[0]) * r.c_block;
-  over_blocks<T, NC>(r, static_cast<const T*>(r.k), v_first,
-                     [&](auto heads, int64_t head, int64_t first, const T* block, int64_t rows, Ahead& ahead) {
-                       score_rows<T, NC, decltype(heads)::value>(q + head * NC * 16, block, rows, r.c_token,
-                                                                 r.scale, scores + head * stride + first,
-                                                                 stride, ahead);
-                     });
+  by_head_groups<T, NC>(r, static_cast<const T*>(r.k), v_first,
+                        [&](auto heads, int64_t head, int64_t first, const T* block, int64_t rows, Ahead& ahead) {
+                          score_rows<T, NC, decltype(heads)::value>(q + head * NC * 16, block, rows, r.c_token,
+                                                                    r.scale, scores + head * stride + first,
+                                                                    stride, ahead);
+                        });
 }
 
 // bfloat16 K rows against a bfloat16 query by AVX512_BF16's pair dot product, where the CPU has it: a chunk of
@@ -216,8 +206,8 @@ template <int NC>
 void pair_scores_of(const Rows& r, const float* q, float* scores, int64_t stride) {
   const auto* k = static_cast<const uint16_t*>(r.k);
   const uint16_t* v_first = static_cast<const uint16_t*>(r.v) + static_cast<int64_t>(r.row[0]) * r.c_block;
-  over_blocks<uint16_t, NC>(r, k, v_first, [&](auto heads, int64_t head, int64_t first, const uint16_t* block,
-                                               int64_t rows, Ahead& ahead) {
+  by_head_groups<uint16_t, NC>(r, k, v_first, [&](auto heads, int64_t head, int64_t first, const uint16_t* block,
+                                                  int64_t rows, Ahead& ahead) {
     pair_score_rows<NC, decltype(heads)::value>(q + head * NC * 16, block, rows, r.c_token, r.scale,
                                                 scores + head * stride + first, stride, ahead);
   });
@@ -251,11 +241,11 @@ void add_rows(const float* weights, int64_t stride, const T* block, int64_t rows
 
 template <typename T, int NC>
 void weighted_sum(const Rows& r, const float* weights, int64_t stride, float* acc) {
-  over_blocks<T, NC>(r, static_cast<const T*>(r.v), static_cast<const T*>(r.after),
-                     [&](auto heads, int64_t head, int64_t first, const T* block, int64_t rows, Ahead& ahead) {
-                       add_rows<T, NC, decltype(heads)::value>(weights + head * stride + first, stride, block,
-                                                               rows, r.c_token, acc + head * NC * 16, ahead);
-                     });
+  by_head_groups<T, NC>(r, static_cast<const T*>(r.v), static_cast<const T*>(r.after),
+                        [&](auto heads, int64_t head, int64_t first, const T* block, int64_t rows, Ahead& ahead) {
+                          add_rows<T, NC, decltype(heads)::value>(weights + head * stride + first, stride, block,
+                                                                  rows, r.c_token, acc + head * NC * 16, ahead);
+                        });
 }
 
 // f(an element, the width) with the rows' element type (float, or bfloat16 bits) and their head size in chunks

@@ -397,8 +397,9 @@ void attend(Tensor& out, const Tensor& query, const Tensor& k_cache, const Tenso
                      table, max_blocks, block_size, num_kv_heads, head_size,
                      num_heads / num_kv_heads, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
-  if (avx512_loops(head_size) || pagedserve_cpu_attention::avx2_passes()) {
-    attend_passes(pool, queries, avx512_loops(head_size));
+  const bool avx512 = avx512_loops(head_size);
+  if (avx512 || pagedserve_cpu_attention::avx2_passes()) {
+    attend_passes(pool, queries, avx512);
   } else {
     attend_plain(pool, queries);
   }

@@ -68,6 +68,31 @@ struct Ahead {
   void step(int64_t steps) { ask((quota + steps - 1) / steps); }
 };
 
+// The Ahead of an item's rows of T (elements of `element` bytes).
+inline Ahead ahead_of(const Rows& r, int64_t element) {
+  return Ahead{r.num_kv_heads * r.head_size * element, r.c_token * element};
+}
+
+// Every block of the item's context from `base` (K or V), in turn: pass(block, first position, rows), with the
+// next block's lines (after the last, `then`'s, where given) started in `ahead` for the pass to ask for over the
+// block's work. Always inlined, so that each ISA's caller compiles it for its own instructions and inlines its
+// pass into it.
+template <typename T, typename Pass>
+__attribute__((always_inline)) inline void over_blocks(const Rows& r, const T* base, const T* then, Ahead& ahead, Pass pass) {
+  for (int64_t first = 0; first < r.ctx; first += r.block_size) {
+    const T* block = base + static_cast<int64_t>(r.row[first / r.block_size]) * r.c_block;  // widened first
+    const int64_t rows = r.ctx - first < r.block_size ? r.ctx - first : r.block_size;
+    const int64_t next = first + r.block_size;
+    if (next < r.ctx) {
+      ahead.start(base + static_cast<int64_t>(r.row[next / r.block_size]) * r.c_block,
+                  r.ctx - next < r.block_size ? r.ctx - next : r.block_size);
+    } else if (then) {
+      ahead.start(then, r.block_size);  // rows past a context are the block's own bytes
+    }
+    pass(block, first, rows);
+  }
+}
+
 // Only where pagedserve_cpu_features::avx512_enabled() (cpu_features.h).
 // scores [heads][stride]: each query head's (q [heads][head_size], float) dot product with every K row of its
 // KV head, times scale; positions past ctx are left as they are. Query head i is of KV head i / group. With
