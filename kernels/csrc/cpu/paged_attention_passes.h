@@ -78,7 +78,8 @@ inline Ahead ahead_of(const Rows& r, int64_t element) {
 // block's work. Always inlined, so that each ISA's caller compiles it for its own instructions and inlines its
 // pass into it.
 template <typename T, typename Pass>
-__attribute__((always_inline)) inline void over_blocks(const Rows& r, const T* base, const T* then, Ahead& ahead, Pass pass) {
+__attribute__((always_inline)) inline void over_blocks(const Rows& r, const T* base, const T* then, Ahead& ahead,
+                                                       Pass pass) {
   for (int64_t first = 0; first < r.ctx; first += r.block_size) {
     const T* block = base + static_cast<int64_t>(r.row[first / r.block_size]) * r.c_block;  // widened first
     const int64_t rows = r.ctx - first < r.block_size ? r.ctx - first : r.block_size;
