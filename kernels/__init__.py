@@ -24,6 +24,7 @@ __all__ = [
     "amx",
     "amx_ready",
     "avx512",
+    "avx512_bf16_tiles",
     "copy_blocks",
     "cpp_layers_support",
     "first_max_ids",
@@ -246,7 +247,8 @@ def llama_decode_layers(
 def panel_kernel_ready(dtype: torch.dtype = torch.float32) -> bool:
     """Whether packed_linear can multiply `dtype` rows through the panel kernel: float32 where the CPU
     extension is built with AVX2 and FMA or the CPU has AVX-512 (elsewhere the kernel is a plain loop, slower
-    than oneDNN), bfloat16 where the CPU has AVX512_BF16; and PAGEDSERVE_PANEL_KERNEL is not 0."""
+    than oneDNN), bfloat16 there too (by AVX512_BF16 where the CPU has it, else with the weights widened to
+    float32); and PAGEDSERVE_PANEL_KERNEL is not 0."""
     if os.environ.get("PAGEDSERVE_PANEL_KERNEL", "1") == "0":
         return False
     ops = _cpu_ops(torch.empty(0))
@@ -281,6 +283,12 @@ def amx(enabled: bool) -> contextlib.AbstractContextManager[None]:
     return _switched("set_amx", enabled)
 
 
+def avx512_bf16_tiles(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """The bfloat16 panel kernel's AVX512_BF16 and AMX tiles turned on (where the CPU has them) or off within
+    the block; off, it widens the weights to float32 as on CPUs without them."""
+    return _switched("set_avx512_bf16_tiles", enabled)
+
+
 def amx_ready() -> bool:
     """Whether the bfloat16 panel kernel can run on AMX tiles here (the CPU has AMX-BF16, Linux grants it)."""
     ops = _cpu_ops(torch.empty(0))
@@ -289,8 +297,10 @@ def amx_ready() -> bool:
 
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, panel: int) -> Tensor:
     """x [..., K] times a weight packed for oneDNN, whose bytes are `panel`-column panels (gpu_worker/engine/
-    packed_linear.py checks): through the panel kernel for up to 128 rows (a decode step), oneDNN beyond. Only
-    where panel_kernel_ready says so for x's dtype."""
+    packed_linear.py checks): through the panel kernel for up to 128 rows (a decode step), oneDNN beyond; or
+    times a bfloat16 weight packed as panels of pairs without oneDNN ([N / panel, K / 2, panel, 2], on CPUs
+    where oneDNN only emulates bfloat16): through the panel kernel for any rows. Only where panel_kernel_ready
+    says so for x's dtype."""
     ops = _cpu_ops(x)
     assert ops is not None
     return ops.packed_linear(x, weight, bias, panel)

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 import kernels
 from gpu_worker.engine.attention import AttentionMetadata
-from gpu_worker.engine.packed_linear import PackedLinear, packing_supported
+from gpu_worker.engine.packed_linear import PackedLinear, can_pack, packing_supported
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +58,11 @@ def _fused_linear(parts: list[nn.Linear], pack: bool) -> nn.Module:
         if linear.bias is not None:
             linear.bias.copy_(torch.cat([b.detach() for b in biases if b is not None]))
     linear.requires_grad_(False)
-    return PackedLinear(linear) if pack else linear
+    return PackedLinear(linear) if pack and can_pack(linear) else linear
 
 
 def _linear(part: nn.Module, pack: bool) -> nn.Module:
-    return PackedLinear(part) if pack and type(part) is nn.Linear else part
+    return PackedLinear(part) if pack and type(part) is nn.Linear and can_pack(part) else part
 
 
 @dataclass(slots=True)
@@ -140,9 +140,12 @@ class LlamaForward(nn.Module):
 
     def _decode_weights(self) -> list[Tensor | None] | None:
         """Each layer's tensors in the order kernels.llama_decode_layers takes them, or None where that op
-        is not built or the attention kernel cannot take the model's heads."""
+        is not built, the attention kernel cannot take the model's heads, or a linear stayed unpacked."""
         weight = self.embed_tokens.weight
         if not kernels.cpp_layers_support(weight, self.head_dim):
+            return None
+        linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if not all(isinstance(m, PackedLinear) for m in linears):
             return None
         tensors: list[Tensor | None] = []
         for layer in self.layers:

@@ -15,6 +15,12 @@ tiles multiply, and the kernel runs on them (kernels/csrc/cpu/panel_tiles_amx.cp
 Whether a weight is so laid out is not asked of oneDNN but checked, once, byte for byte against the plain
 weight (panel_width); any other layout stays with oneDNN alone.
 
+On a CPU without AVX512_BF16 or AMX, oneDNN only emulates bfloat16: it converts to float32 at a fraction of
+its float32 rate, and lays the weight out otherwise. There a bfloat16 weight is packed into panels of pairs
+here (own_bf16_panels), oneDNN is left out, and the panel kernel takes every step, widening each pair of
+weights to float32 in registers: half a float32 weight's bytes to stream, multiplied at about the float32
+rate.
+
 Only the summation order changes, as with any BLAS; fp32 greedy output still equals transformers'
 (`tests/gpu_worker/engine/test_golden.py`).
 """
@@ -35,6 +41,12 @@ logger = logging.getLogger(__name__)
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether `dtype` weights can be packed here: for this CPU's oneDNN, or as the panel kernel's own bf16
+    panels (own_bf16_panels)."""
+    return onednn_packs(dtype) or (dtype == torch.bfloat16 and own_bf16_panels())
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether this CPU's oneDNN multiplies `dtype` weights (bf16 natively or emulated: see cpu_has_bf16)."""
     if not torch.backends.mkldnn.is_available():
         return False
@@ -50,6 +62,33 @@ def cpu_has_bf16() -> bool:
     instead of being emulated."""
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return bool(native) and packing_supported(torch.bfloat16)
+
+
+def own_bf16_panels() -> bool:
+    """Whether bf16 weights are packed here as panels of pairs for the panel kernel alone: where this CPU does
+    not multiply bf16 natively (oneDNN would emulate it) and the kernel widens bf16 weights to float32."""
+    return not cpu_has_bf16() and kernels.panel_kernel_ready(torch.bfloat16)
+
+
+def own_panel_width(weight: torch.Tensor) -> int:
+    """The width of the panels a bf16 weight [N, K] is packed in here (own_bf16_panels), 0 where it is not:
+    another dtype, an odd K, or no width of PANEL_WIDTHS that divides N."""
+    rows, cols = weight.shape
+    if weight.dtype != torch.bfloat16 or cols % 2 or not own_bf16_panels():
+        return 0
+    return next((width for width in PANEL_WIDTHS if rows % width == 0), 0)
+
+
+def can_pack(linear: nn.Linear) -> bool:
+    """Whether PackedLinear takes this linear's weight here: as the kernel's own panels, or for oneDNN."""
+    return bool(own_panel_width(linear.weight)) or onednn_packs(linear.weight.dtype)
+
+
+def bf16_panels(plain: torch.Tensor, width: int) -> torch.Tensor:
+    """A bf16 weight [N, K] as panels of `width` output columns, each column's inputs k and k + 1 side by
+    side: [N / width, K / 2, width, 2], the layout oneDNN gives it on CPUs with AVX512_BF16."""
+    rows, cols = plain.shape
+    return plain.reshape(rows // width, width, cols // 2, 2).transpose(1, 2).contiguous()
 
 
 # Panel widths the panel kernel takes (multiples of its 16-column strips), in the order they are tried.
@@ -89,16 +128,23 @@ def panel_width(plain: torch.Tensor, packed: torch.Tensor) -> int:
 
 class PackedLinear(nn.Module):
     """Drop-in for an nn.Linear on the CPU. The packed weight replaces the plain one (same bytes, one copy)
-    unless the plain one is shared, as a head tied to the embeddings is."""
+    unless the plain one is shared, as a head tied to the embeddings is. It is a oneDNN tensor, or (bf16 where
+    own_bf16_panels) a plain one of panels of pairs [N / panel, K / 2, panel, 2] that only the panel kernel
+    reads."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         plain = linear.weight.detach()
+        self.bias = linear.bias
+        width = own_panel_width(plain)
+        if width:
+            self.weight = nn.Parameter(bf16_panels(plain, width), requires_grad=False)
+            self.panel = width
+            return
         packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
         self.weight = nn.Parameter(packed, requires_grad=False)
-        self.bias = linear.bias
         # The panel kernel's width for this weight, 0 where it stays with oneDNN alone.
         self.panel = panel_width(plain, packed)
 
@@ -115,11 +161,16 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> int:
     """Swap every nn.Linear of a CPU model (LM head included) for a PackedLinear; returns how many.
-    Does nothing on other devices, or where this CPU's oneDNN lacks the weights' dtype."""
+    Does nothing on other devices, or where neither oneDNN nor the panel kernel takes the weights' dtype; a
+    linear that neither takes (see can_pack) stays as it is."""
     first = next(model.parameters())
     if first.device.type != "cpu" or not packing_supported(first.dtype):
         return 0
-    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and can_pack(module)
+    ]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, PackedLinear(linear))
@@ -127,15 +178,18 @@ def pack_linears(model: nn.Module) -> int:
     return len(targets)
 
 
+def _weight_range(weight: torch.Tensor) -> tuple[int, int]:
+    """Where a packed weight's bytes lie: (address, size)."""
+    if weight.is_mkldnn:
+        return int(torch.ops.mkldnn.data_ptr(weight)), int(torch.ops.mkldnn._nbytes(weight))
+    return weight.data_ptr(), weight.numel() * weight.element_size()
+
+
 def weights_into_huge_pages(model: nn.Module) -> int:
     """Moves every packed weight of `model` into transparent huge pages (huge_pages.collapse_into_huge_pages);
     returns the bytes now in huge pages. Each decode step streams all of them: on huge pages SmolLM2's decode
     steps take 1.5 to 7% less time (benchmarks/huge_pages.py, docs/kernels.md)."""
-    ranges = [
-        (int(torch.ops.mkldnn.data_ptr(m.weight)), int(torch.ops.mkldnn._nbytes(m.weight)))
-        for m in model.modules()
-        if isinstance(m, PackedLinear)
-    ]
+    ranges = [_weight_range(m.weight) for m in model.modules() if isinstance(m, PackedLinear)]
     if not ranges:
         return 0
     start = time.perf_counter()

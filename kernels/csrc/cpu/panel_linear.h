@@ -13,8 +13,21 @@ using at::Tensor;
 // Whether this build multiplies with AVX2 and FMA, or this CPU with AVX-512 (else a plain loop, correct but slow).
 bool panel_linear_vectorized();
 
-// Whether this CPU multiplies bfloat16 panels (AVX512_BF16); elsewhere bfloat16 weights stay with oneDNN.
+// Whether this CPU multiplies bfloat16 panels: by AVX512_BF16's pair dot product, or else with each pair of
+// weights widened to float32 (AVX-512 or AVX2 and FMA). Elsewhere bfloat16 weights stay with oneDNN.
 bool panel_linear_bf16();
+
+// Whether the bfloat16 panel kernel takes AVX512_BF16's tiles (and AMX's, where on): where the CPU has them,
+// unless set_avx512_bf16_tiles turned them off (the tests run the widened tiles on such CPUs too); returns
+// whether they were on.
+bool avx512_bf16_tiles_enabled();
+bool set_avx512_bf16_tiles(bool enabled);
+
+// A row's values at k and k + 1 widened to float32: the rows of a bfloat16 product on CPUs without AVX512_BF16,
+// widened once a call, so a tile broadcasts each value straight from memory.
+struct FloatPair {
+  float lo, hi;  // k, k + 1
+};
 
 // AVX-512 register tiles: rows (at most 6) x width (16 to 64) outputs over kn steps of k (panel_tiles_avx512.cpp).
 // out [rows][ldo] gets init (the bias, or zeros) or its own values plus the sums over the steps; ahead: lines to
@@ -25,6 +38,11 @@ void tile_f32_avx512(int64_t rows, int64_t width, const float* a, int64_t lda, c
 void tile_bf16_avx512(int64_t rows, int64_t width, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ld,
                       int64_t kn, float* out, int64_t ldo, const float* init, const uint32_t* ahead,
                       int64_t every);
+// The bfloat16 tile without AVX512_BF16: b's pairs widened in registers, a's already (FloatPair). The sums are
+// the float32 tile's, k in order: each product of two bfloat16 values is exact in float32.
+void tile_bf16_widened_avx512(int64_t rows, int64_t width, const FloatPair* a, int64_t lda, const uint32_t* b,
+                              int64_t ld, int64_t kn, float* out, int64_t ldo, const float* init,
+                              const uint32_t* ahead, int64_t every);
 
 // AMX's tiles for bfloat16 panels (panel_tiles_amx.cpp): whether this CPU has them and Linux grants their state
 // to this process; whether panel_linear_bf16_rows takes them (unless PAGEDSERVE_AMX=0 when first asked);
@@ -58,8 +76,10 @@ constexpr int64_t kPanelMaxRowsBF16 = 128;
 constexpr int64_t kPanelMaxRowsAMX = 64;
 
 // x [..., K] times a weight packed for oneDNN (gpu_worker/engine/packed_linear.py), plus bias (undefined for
-// none): through the panel kernel where the weight is float32 panels of `panel` columns and x has at most
-// kPanelMaxRows rows, else through oneDNN. panel 0: oneDNN always.
+// none): through the panel kernel where the weight is panels of `panel` columns and x has at most
+// kPanelMaxRows rows, else through oneDNN. panel 0: oneDNN always. A weight that is a plain bfloat16 tensor
+// [N / panel, K / 2, panel, 2] holds panels of pairs packed without oneDNN (on CPUs where oneDNN only emulates
+// bfloat16) and goes through the panel kernel for any number of rows.
 Tensor packed_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t panel);
 
 }  // namespace pagedserve_cpu_panel

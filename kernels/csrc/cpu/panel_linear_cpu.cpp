@@ -11,7 +11,11 @@
 // depend on how many rows share the call or on the thread count. The register tiles are AVX2 here, AVX-512
 // where the CPU has it (panel_tiles_avx512.cpp, the same sums); bfloat16 weights, laid out by oneDNN in pairs
 // of k, go through AMX's tiles where the CPU has AMX-BF16 (panel_tiles_amx.cpp, up to kPanelMaxRowsAMX rows),
-// else through AVX512_BF16's pair dot product where the CPU has it, and through oneDNN elsewhere.
+// else through AVX512_BF16's pair dot product where the CPU has it. Elsewhere oneDNN only emulates bfloat16
+// (converting to float32 at a fraction of its float32 rate), and its layout is not pairs: there
+// gpu_worker/engine/packed_linear.py packs the panels of pairs itself and this kernel takes every row count,
+// with each pair of weights widened to float32 in registers (the AVX-512 or AVX2 tiles): half the bytes of a
+// float32 weight to stream, multiplied at close to the float32 rate.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -20,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -55,12 +60,19 @@ constexpr int64_t kBlockK = 64;      // rows of a panel kept in L1 (with the nex
 constexpr int64_t kLongBlocksFromRows = 16;
 constexpr int64_t kLongBlock = 576;
 
+// A tile's rows and weights: float32 both, or (bfloat16 weights on CPUs without AVX512_BF16) rows widened to
+// FloatPair and weights in pairs of k, b's rows ld pairs apart.
+template <typename A>
+using WeightOf = std::conditional_t<std::is_same_v<A, float>, float, uint32_t>;
+
 #if defined(__AVX2__) && defined(__FMA__)
 
-// rows x 16 outputs: out[r][j] (+)= sum over k of a[r][k] * b[k][j], b's rows ld floats apart.
-template <int R>
-inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out, int64_t ldo,
-                 const float* init, const float* ahead, int64_t every) {
+// rows x 16 outputs: out[r][j] (+)= sum over k of a[r][k] * b[k][j], b's rows ld floats apart. For pairs, each
+// step takes the pairs' k values (shifted up 16 bits: float32) times every row's a[k], then their k + 1 values
+// (low half cleared): the float32 tile's sums, k in order (a product of two bfloat16 values is exact in float32).
+template <int R, typename A>
+inline void tile(const A* a, int64_t lda, const WeightOf<A>* b, int64_t ld, int64_t kn, float* out, int64_t ldo,
+                 const float* init, const WeightOf<A>* ahead, int64_t every) {
   __m256 lo[R], hi[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -68,20 +80,32 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_
     lo[r] = _mm256_loadu_ps(from);
     hi[r] = _mm256_loadu_ps(from + 8);
   }
+  // Every row's value (at `at`: a[r][k], or a half of its pair) times two registers of weights.
+  const auto multiply = [&](const float* at, __m256 b0, __m256 b1) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(at + r * lda * (sizeof(A) / sizeof(float)));
+      lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+    }
+  };
   int64_t wait = 0;
   for (int64_t k = 0; k < kn; ++k) {
-    const float* bk = b + k * ld;
+    const WeightOf<A>* bk = b + k * ld;
     if (ahead && wait-- == 0) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
       ahead += kStrip;
       wait = every - 1;
     }
-    const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps(bk + 8);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
-      lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+    if constexpr (std::is_same_v<A, float>) {
+      multiply(a + k, _mm256_loadu_ps(bk), _mm256_loadu_ps(bk + 8));
+    } else {
+      const auto* pairs = reinterpret_cast<const __m256i*>(bk);
+      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+      multiply(&a[k].lo, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pairs), 16)),
+               _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pairs + 1), 16)));
+      multiply(&a[k].hi, _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pairs), high)),
+               _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pairs + 1), high)));
     }
   }
 #pragma GCC unroll 8
@@ -93,16 +117,24 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_
 
 #else
 
-template <int R>
-inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn, float* out, int64_t ldo,
-                 const float* init, const float*, int64_t) {
+template <int R, typename A>
+inline void tile(const A* a, int64_t lda, const WeightOf<A>* b, int64_t ld, int64_t kn, float* out, int64_t ldo,
+                 const float* init, const WeightOf<A>*, int64_t) {
   float acc[R][kStrip];
   for (int r = 0; r < R; ++r) {
     for (int64_t j = 0; j < kStrip; ++j) acc[r][j] = init ? init[j] : out[r * ldo + j];
   }
   for (int64_t k = 0; k < kn; ++k) {
     for (int r = 0; r < R; ++r) {
-      for (int64_t j = 0; j < kStrip; ++j) acc[r][j] = std::fma(a[r * lda + k], b[k * ld + j], acc[r][j]);
+      for (int64_t j = 0; j < kStrip; ++j) {
+        if constexpr (std::is_same_v<A, float>) {
+          acc[r][j] = std::fma(a[r * lda + k], b[k * ld + j], acc[r][j]);
+        } else {
+          const uint32_t pair = b[k * ld + j];
+          acc[r][j] = std::fma(a[r * lda + k].lo, pagedserve_cpu_math::bf16_float(pair & 0xFFFFu), acc[r][j]);
+          acc[r][j] = std::fma(a[r * lda + k].hi, pagedserve_cpu_math::bf16_float(pair >> 16), acc[r][j]);
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -112,8 +144,9 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t ld, int64_
 
 #endif
 
-void tile_rows(int64_t rows, int64_t, const float* a, int64_t lda, const float* b, int64_t ld, int64_t kn,
-               float* out, int64_t ldo, const float* init, const float* ahead, int64_t every) {
+template <typename A>
+void tile_rows(int64_t rows, int64_t, const A* a, int64_t lda, const WeightOf<A>* b, int64_t ld, int64_t kn,
+               float* out, int64_t ldo, const float* init, const WeightOf<A>* ahead, int64_t every) {
   switch (rows) {
     case 1: return tile<1>(a, lda, b, ld, kn, out, ldo, init, ahead, every);
     case 2: return tile<2>(a, lda, b, ld, kn, out, ldo, init, ahead, every);
@@ -141,12 +174,13 @@ int64_t strip_of(int64_t width, int64_t widest) {
 constexpr int64_t kHalvesFromRows = 16;
 
 // a [rows, k_size] times the weight as n / panel panels [k_size][panel] of T (a float, or a pair of bfloat16),
-// plus bias, as float32 sums. tile(rows, strip, ...) computes rows x strip outputs, strip at most `widest`. The
-// sums go to `out` [rows, n] when it is given; else each thread sums a panel at a time into a [rows, panel]
-// scratch of its own. Either way finish(col, r0, r1, sums, ld) is called once rows r0 to r1 of the panel that
-// starts at column col are done (all its rows, or half of them), its sums (from row 0, row stride ld) in cache.
-template <typename T, typename Tile, typename Finish>
-void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T* weight, int64_t n, int64_t k_size,
+// plus bias, as float32 sums; a's rows hold A (T, or a pair widened to FloatPair), k_size and lda count them.
+// tile(rows, strip, ...) computes rows x strip outputs, strip at most `widest`. The sums go to `out` [rows, n]
+// when it is given; else each thread sums a panel at a time into a [rows, panel] scratch of its own. Either way
+// finish(col, r0, r1, sums, ld) is called once rows r0 to r1 of the panel that starts at column col are done
+// (all its rows, or half of them), its sums (from row 0, row stride ld) in cache.
+template <typename A, typename T, typename Tile, typename Finish>
+void multiply_panels(float* out, int64_t rows, const A* a, int64_t lda, const T* weight, int64_t n, int64_t k_size,
                      int64_t panel, int64_t widest, const float* bias, Tile tile, Finish finish) {
   static const float zeros[64] = {};
   const int64_t panels = n / panel;
@@ -199,6 +233,26 @@ void multiply_panels(float* out, int64_t rows, const T* a, int64_t lda, const T*
 
 void nothing_left(int64_t, int64_t, int64_t, const float*, int64_t) {}
 
+std::atomic<bool>& avx512_bf16_tiles_switch() {
+  static std::atomic<bool> on{cpu_has_avx512_bf16()};
+  return on;
+}
+
+// x's pairs [rows][k_pairs] (rows lda pairs apart) widened to float32, rows side by side.
+std::vector<FloatPair> widened_rows(const uint32_t* x, int64_t rows, int64_t k_pairs, int64_t lda) {
+  std::vector<FloatPair> out(rows * k_pairs);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(k_pairs, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint32_t* from = x + r * lda;
+      FloatPair* to = out.data() + r * k_pairs;
+      for (int64_t k = 0; k < k_pairs; ++k) {
+        to[k] = {pagedserve_cpu_math::bf16_float(from[k] & 0xFFFFu), pagedserve_cpu_math::bf16_float(from[k] >> 16)};
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 bool panel_linear_vectorized() {
@@ -209,7 +263,13 @@ bool panel_linear_vectorized() {
 #endif
 }
 
-bool panel_linear_bf16() { return cpu_has_avx512_bf16(); }
+bool panel_linear_bf16() { return cpu_has_avx512_bf16() || panel_linear_vectorized(); }
+
+bool avx512_bf16_tiles_enabled() { return avx512_bf16_tiles_switch().load(std::memory_order_relaxed); }
+
+bool set_avx512_bf16_tiles(bool enabled) {
+  return avx512_bf16_tiles_switch().exchange(enabled && cpu_has_avx512_bf16());
+}
 
 void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_t n, int64_t panel,
                        const Tensor& bias) {
@@ -229,12 +289,12 @@ void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_
                     64, b, tile_f32_avx512, nothing_left);
   } else {
     multiply_panels(out.data_ptr<float>(), rows, x.data_ptr<float>(), lda, weight, n, k_size, panel, kStrip, b,
-                    tile_rows, nothing_left);
+                    tile_rows<float>, nothing_left);
   }
 }
 
 Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n, int64_t panel, const Tensor& bias) {
-  PAGEDSERVE_CHECK(cpu_has_avx512_bf16(), "the bfloat16 panel kernel needs AVX512_BF16");
+  PAGEDSERVE_CHECK(panel_linear_bf16(), "the bfloat16 panel kernel needs AVX512_BF16, AVX-512, or AVX2 and FMA");
   PAGEDSERVE_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 &&
                        x.stride(0) % 2 == 0,
                    "x must be bfloat16 [rows, K], K even");
@@ -244,14 +304,16 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
   const int64_t rows = x.size(0);
   Tensor out = at::empty({rows, n}, x.options());
   const Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : Tensor();
+  const float* bias_sums = b.defined() ? b.data_ptr<float>() : nullptr;
   auto* to = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  if (amx_enabled() && x.size(1) % 32 == 0) {  // AMX tiles take k 32 at a time
+  const bool dot = avx512_bf16_tiles_enabled();
+  if (dot && amx_enabled() && x.size(1) % 32 == 0) {  // AMX tiles take k 32 at a time
     panel_linear_bf16_amx(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, x.size(1),
-                          x.stride(0), reinterpret_cast<const uint16_t*>(weight), n, panel,
-                          b.defined() ? b.data_ptr<float>() : nullptr, to);
+                          x.stride(0), reinterpret_cast<const uint16_t*>(weight), n, panel, bias_sums, to);
     return out;
   }
   const auto* pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const int64_t k_pairs = x.size(1) / 2, lda = x.stride(0) / 2;
   // Each output rounded once, from its float32 sum (bias included), as oneDNN rounds: a panel as soon as it is
   // done, from its thread's scratch.
   const auto round_panel = [&](int64_t col, int64_t r0, int64_t r1, const float* sums, int64_t ld) {
@@ -259,8 +321,19 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
       for (int64_t j = 0; j < panel; ++j) to[r * n + col + j] = pagedserve_cpu_math::bf16_bits(sums[r * ld + j]);
     }
   };
-  multiply_panels(static_cast<float*>(nullptr), rows, pairs, x.stride(0) / 2, weight, n, x.size(1) / 2, panel,
-                  64, b.defined() ? b.data_ptr<float>() : nullptr, tile_bf16_avx512, round_panel);
+  if (dot) {
+    multiply_panels(static_cast<float*>(nullptr), rows, pairs, lda, weight, n, k_pairs, panel, 64, bias_sums,
+                    tile_bf16_avx512, round_panel);
+    return out;
+  }
+  const std::vector<FloatPair> widened = widened_rows(pairs, rows, k_pairs, lda);
+  if (avx512_enabled()) {
+    multiply_panels(static_cast<float*>(nullptr), rows, widened.data(), k_pairs, weight, n, k_pairs, panel, 64,
+                    bias_sums, tile_bf16_widened_avx512, round_panel);
+  } else {
+    multiply_panels(static_cast<float*>(nullptr), rows, widened.data(), k_pairs, weight, n, k_pairs, panel,
+                    kStrip, bias_sums, tile_rows<FloatPair>, round_panel);
+  }
   return out;
 }
 
@@ -284,29 +357,40 @@ Tensor onednn_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) 
 }
 
 Tensor packed_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t panel) {
-  const int64_t k_size = weight.size(1);
-  const int64_t rows = x.dim() == 0 ? 0 : x.numel() / std::max<int64_t>(k_size, 1);
+  // A plain weight is panels of pairs packed without oneDNN, [N / panel, K / 2, panel, 2]: the panel kernel
+  // takes any number of rows.
+  const bool own = !weight.is_mkldnn();
   const at::ScalarType dtype = x.scalar_type();
+  PAGEDSERVE_CHECK(!own || (dtype == at::kBFloat16 && weight.scalar_type() == dtype && weight.dim() == 4 &&
+                            weight.size(2) == panel && weight.size(3) == 2 && weight.is_contiguous()),
+                   "a weight not packed by oneDNN must be bfloat16 panels of pairs [N / ", panel, ", K / 2, ",
+                   panel, ", 2], for bfloat16 rows");
+  const int64_t n = own ? weight.size(0) * weight.size(2) : weight.size(0);
+  const int64_t k_size = own ? weight.size(1) * 2 : weight.size(1);
+  const int64_t rows = x.dim() == 0 ? 0 : x.numel() / std::max<int64_t>(k_size, 1);
   const bool f32 = dtype == at::kFloat && rows <= kPanelMaxRows;
-  const bool bf16 = dtype == at::kBFloat16 && rows <= (amx_enabled() ? kPanelMaxRowsAMX : kPanelMaxRowsBF16);
-  if (panel == 0 || rows == 0 || !(f32 || bf16)) {
+  const int64_t bf16_rows = own ? rows : amx_enabled() && avx512_bf16_tiles_enabled() ? kPanelMaxRowsAMX
+                                                                                       : kPanelMaxRowsBF16;
+  const bool bf16 = dtype == at::kBFloat16 && rows <= bf16_rows;
+  if (!own && (panel == 0 || rows == 0 || !(f32 || bf16))) {
     return onednn_linear(x, weight, bias);
   }
-  PAGEDSERVE_CHECK(weight.is_mkldnn() && weight.scalar_type() == dtype && weight.dim() == 2,
+  PAGEDSERVE_CHECK(own || (weight.scalar_type() == dtype && weight.dim() == 2),
                    "weight must be a [N, K] of the rows' dtype packed for oneDNN");
   PAGEDSERVE_CHECK(x.size(-1) == k_size, "x must end in ", k_size, " features, got ", x.size(-1));
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = n;
+  if (rows == 0) return at::empty(sizes, x.options());
   // Named for the profiler as the op is, also where the decode layers' loop calls it directly.
   RECORD_FUNCTION("pagedserve_cpu::packed_linear", std::vector<c10::IValue>({x}));
   const Tensor flat = x.reshape({rows, k_size});
   const Tensor rows_in = flat.stride(1) == 1 ? flat : flat.contiguous();
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = weight.size(0);
   if (bf16) {
-    const auto* pairs = reinterpret_cast<const uint32_t*>(packed_data(weight));
-    return panel_linear_bf16_rows(rows_in, pairs, weight.size(0), panel, bias).view(sizes);
+    const auto* pairs = reinterpret_cast<const uint32_t*>(own ? weight.data_ptr() : packed_data(weight));
+    return panel_linear_bf16_rows(rows_in, pairs, n, panel, bias).view(sizes);
   }
-  Tensor out = at::empty({rows, weight.size(0)}, x.options());
-  panel_linear_into(out, rows_in, packed_data(weight), weight.size(0), panel, bias);
+  Tensor out = at::empty({rows, n}, x.options());
+  panel_linear_into(out, rows_in, packed_data(weight), n, panel, bias);
   return out.view(sizes);
 }
 
@@ -329,4 +413,5 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("panel_linear_bf16() -> bool", TORCH_FN(pagedserve_cpu_panel::panel_linear_bf16));
   m.def("amx_bf16_ready() -> bool", TORCH_FN(pagedserve_cpu_panel::amx_bf16_ready));
   m.def("set_amx(bool enabled) -> bool", TORCH_FN(pagedserve_cpu_panel::set_amx));
+  m.def("set_avx512_bf16_tiles(bool enabled) -> bool", TORCH_FN(pagedserve_cpu_panel::set_avx512_bf16_tiles));
 }

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import kernels
 from gpu_worker import LLM, SamplingParams
+from gpu_worker.engine.packed_linear import own_bf16_panels
 from tests.support.engine import MAX_NEW_TOKENS, QUESTIONS, assert_pool_drained, hf_greedy
 
 TINY_PROMPT_LENS = [1, 7, 16, 17, 33, 64, 100, 250, 511]
@@ -215,7 +218,22 @@ def test_smollm2_answers_paris(smollm2_llm: LLM) -> None:
 NEAR_TIE_NATS = 0.5
 
 
+@pytest.fixture(params=["as-this-cpu", "widened"])
+def bf16_matmuls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """bf16 weights as this CPU multiplies them, and (where it has AVX512_BF16) as a CPU without it would: the
+    panel kernel's own panels of pairs, widened to float32."""
+    if request.param == "as-this-cpu":
+        yield
+        return
+    if own_bf16_panels() or not kernels.panel_kernel_ready(torch.bfloat16):
+        pytest.skip("this CPU runs bf16 as one without AVX512_BF16 already, or has no bf16 panel kernel")
+    monkeypatch.setattr("gpu_worker.engine.packed_linear.cpu_has_bf16", lambda: False)
+    with kernels.avx512_bf16_tiles(False):
+        yield
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("bf16_matmuls")
 def test_smollm2_bf16_agrees_with_fp32_transformers_up_to_near_ties(
     smollm2_path: str, smollm2_prompts: list[list[int]]
 ) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kernels
@@ -16,6 +16,10 @@ from gpu_worker.engine.llama_forward import LlamaForward
 from gpu_worker.engine.packed_linear import (
     PANEL_WIDTHS,
     PackedLinear,
+    bf16_panels,
+    can_pack,
+    onednn_packs,
+    own_bf16_panels,
     pack_linears,
     packed_bytes,
     packing_supported,
@@ -110,11 +114,17 @@ def test_matches_linear_in_bf16(num_rows: int) -> None:
 
 
 def bf16_panelled(linear: nn.Linear) -> PackedLinear:
+    """The bf16 panel kernel's weight: oneDNN's panels of pairs where the CPU has AVX512_BF16, else its
+    own."""
     if not kernels.panel_kernel_ready(torch.bfloat16):
-        pytest.skip("no bf16 panel kernel here: the CPU lacks AVX512_BF16")
+        pytest.skip("no bf16 panel kernel here: not built with AVX2, and no AVX-512")
     packed = PackedLinear(linear.to(torch.bfloat16))
     assert packed.panel, "oneDNN lays bf16 weights out other than as panels of pairs on this CPU"
     return packed
+
+
+def weight_bytes(packed: PackedLinear) -> Tensor:
+    return packed_bytes(packed.weight) if packed.weight.is_mkldnn else packed.weight.flatten()
 
 
 def test_a_bf16_weight_is_panelled_in_pairs_of_its_inputs() -> None:
@@ -123,24 +133,37 @@ def test_a_bf16_weight_is_panelled_in_pairs_of_its_inputs() -> None:
     packed = bf16_panelled(linear)
     width, weight = packed.panel, linear.weight.detach()
     pairs = weight.view(960 // width, width, 288, 2).transpose(1, 2)
-    assert torch.equal(packed_bytes(packed.weight).view(960 // width, 288, width, 2), pairs)
-    assert panel_width(weight + 1, packed.weight) == 0
+    assert torch.equal(weight_bytes(packed).view(960 // width, 288, width, 2), pairs)
+    if packed.weight.is_mkldnn:
+        assert panel_width(weight + 1, packed.weight) == 0
+
+
+def rounded_once(x: Tensor, linear: PackedLinear | nn.Linear, weight: Tensor) -> Tensor:
+    """x times weight plus the bias, summed in float64 and rounded to float32, then to bf16."""
+    bias = 0 if linear.bias is None else linear.bias.double()
+    return (x.double() @ weight.double().T + bias).float().to(torch.bfloat16)
+
+
+def one_step_apart(out: Tensor, expected: Tensor) -> None:
+    """Both are float32 sums rounded once to bf16, summed in other orders: at most one bf16 step apart, and
+    only a few apart at all (ties crossed), not a different product."""
+    step = expected.float().abs().clamp(min=2**-100) * 2**-7  # one bf16 step at each output
+    assert ((out.float() - expected.float()).abs() <= step + 1e-6).all()
+    assert (out != expected).sum() <= 0.05 * out.numel()
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("num_rows", [1, 2, 7, 33, 128])
 def test_the_bf16_panel_kernel_rounds_float32_sums_once(num_rows: int, bias: bool) -> None:
-    """Each output is its float32 sum (bias included) rounded once to bf16, as oneDNN's is: the two differ
-    only where a different summation order crosses a rounding boundary, by one bf16 step."""
+    """Each output is its float32 sum (bias included) rounded once to bf16, as oneDNN's is: it differs from
+    the exact sum rounded only where float32's summation crosses a rounding boundary, by one bf16 step."""
     torch.manual_seed(num_rows)
-    packed = bf16_panelled(nn.Linear(1536, 1024, bias=bias))
+    linear = nn.Linear(1536, 1024, bias=bias).to(torch.bfloat16)
+    packed = bf16_panelled(linear)
     x = torch.randn(num_rows, 1536, dtype=torch.bfloat16)
     out = packed(x)
-    onednn = torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
     assert out.dtype == torch.bfloat16 and out.shape == (num_rows, 1024)
-    step = out.float().abs().clamp(min=2**-100) * 2**-7  # one bf16 step at each output
-    assert ((out.float() - onednn.float()).abs() <= step + 1e-6).all()
-    assert (out != onednn).float().mean() < 0.05  # a few ties apart, not a different product
+    one_step_apart(out, rounded_once(x, packed, linear.weight))
 
 
 @pytest.mark.parametrize("num_rows", [4, 33])  # blocks of K of 64 pairs, and of 288 (from 16 rows)
@@ -210,9 +233,7 @@ def test_the_amx_tiles_agree_with_the_avx512_bf16_tiles(num_rows: int, bias: boo
         amx = packed(x)
     with kernels.amx(False):
         dot = packed(x)
-    step = dot.float().abs().clamp(min=2**-100) * 2**-7
-    assert ((amx.float() - dot.float()).abs() <= step + 1e-6).all()
-    assert (amx != dot).float().mean() < 0.05
+    one_step_apart(amx, dot)
     # A row of zeros multiplies to zeros (plus bias): the partial tile's padding does not leak into real rows.
     x[-1] = 0
     with kernels.amx(True):
@@ -283,3 +304,80 @@ def test_other_devices_and_dtypes_are_left_alone() -> None:
     for model in (half, elsewhere):
         assert pack_linears(model) == 0
         assert isinstance(model.get_output_embeddings(), nn.Linear)
+
+
+@pytest.fixture
+def own_panels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """bf16 weights packed as the panel kernel's own panels of pairs, multiplied with the pairs widened to
+    float32, as on a CPU without AVX512_BF16 (also on one with it)."""
+    if not kernels.panel_kernel_ready(torch.bfloat16):
+        pytest.skip("no bf16 panel kernel here: not built with AVX2, and no AVX-512")
+    monkeypatch.setattr("gpu_worker.engine.packed_linear.cpu_has_bf16", lambda: False)
+    assert own_bf16_panels()
+    with kernels.avx512_bf16_tiles(False):
+        yield
+
+
+@pytest.mark.usefixtures("own_panels")
+def test_without_avx512_bf16_a_bf16_weight_is_its_own_panels_of_pairs() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 960, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    assert not packed.weight.is_mkldnn and packed.panel == 64
+    assert packed.weight.shape == (15, 288, 64, 2)
+    assert torch.equal(packed.weight[2, 5, 7], linear.weight[2 * 64 + 7, 10:12])
+    assert torch.equal(packed.weight, bf16_panels(linear.weight.detach(), 64))
+    # An output count no panel width divides stays with oneDNN (where its oneDNN has bf16).
+    odd = nn.Linear(576, 100).to(torch.bfloat16)
+    assert can_pack(odd) == onednn_packs(torch.bfloat16)
+    # Nothing but the panel kernel reads these bytes: a float32 row is refused, not multiplied as [N, K].
+    with pytest.raises(RuntimeError, match="panels of pairs"):
+        kernels.packed_linear(torch.randn(2, 576), packed.weight, None, packed.panel)
+
+
+@pytest.mark.usefixtures("own_panels")
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_widened_bf16_sums_are_the_float32_kernels_bits(bias: bool, avx512: bool, threads: int) -> None:
+    """Widened, a pair of bf16 weights is multiplied as two float32 values, k in order: each output is the
+    float32 panel kernel's sum over the same values (products of bf16 values are exact), rounded once."""
+    torch.manual_seed(3)
+    linear = nn.Linear(1536, 576, bias=bias).to(torch.bfloat16)  # 9 panels of 64
+    packed = PackedLinear(linear)
+    as_float = panelled(nn.Linear(1536, 576, bias=bias))
+    with torch.no_grad():
+        as_float.weight.copy_(torch.ops.mkldnn._reorder_linear_weight(linear.weight.float(), None))
+        if bias:
+            as_float.bias.copy_(linear.bias.float())
+    x = torch.randn(128, 1536).to(torch.bfloat16)
+    with kernels.avx512(avx512):
+        for rows in (*ROW_SLICES, slice(0, 128)):
+            out = packed(x[rows])
+            assert torch.equal(out, as_float(x[rows].float()).to(torch.bfloat16)), rows
+
+
+@pytest.mark.usefixtures("own_panels")
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("num_rows", [0, 1, 129, 300])
+def test_own_bf16_panels_take_any_number_of_rows(num_rows: int, avx512: bool) -> None:
+    """No oneDNN past 128 rows (a prefill's chunk): the panel kernel takes them all, each row as alone."""
+    torch.manual_seed(num_rows)
+    linear = nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    x = torch.randn(1, num_rows, 576).to(torch.bfloat16)
+    with kernels.avx512(avx512):
+        out = packed(x)
+        assert out.shape == (1, num_rows, 1536) and out.dtype == torch.bfloat16
+        one_step_apart(out[0], rounded_once(x[0], linear, linear.weight))
+        if num_rows:
+            assert torch.equal(packed(x[:, -1:]), out[:, -1:])
+
+
+@pytest.mark.usefixtures("own_panels")
+def test_a_model_on_own_bf16_panels_runs_the_cpp_layers() -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**TINY, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 128})
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    forward = LlamaForward(model)
+    assert forward.use_cpp_layers
+    assert all(not m.weight.is_mkldnn for m in forward.modules() if isinstance(m, PackedLinear))
