@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/panel_linear_bench.py                  # rows 1 to 256, ~1 min
     .venv/bin/python benchmarks/panel_linear_bench.py --rows 1 8 32
-    .venv/bin/python benchmarks/panel_linear_bench.py --dtype bfloat16  # on a CPU with AVX512_BF16
+    .venv/bin/python benchmarks/panel_linear_bench.py --dtype bfloat16
     PAGEDSERVE_AVX512=0 .venv/bin/python benchmarks/panel_linear_bench.py  # AVX2 tiles, AVX-512 CPU
 
 Every layer's qkv, o, gate_up and down weights at SmolLM2's shapes (30 layers, 424 MB in fp32, 212 MB in
@@ -10,8 +10,10 @@ bf16: more than any cache), each packed once for oneDNN (PackedLinear). One time
 rows by all of them in turn, as a decode step does, so each weight comes from memory; best of --repeats.
 oneDNN is torch.ops.mkldnn._linear_pointwise; the panel kernel (kernels/csrc/cpu/panel_linear_cpu.cpp) reads
 the same bytes, which is what PackedLinear runs for up to 128 rows. GB/s is the weights' bytes over the time.
-The panel kernel runs AVX-512 tiles where the CPU has them (PAGEDSERVE_AVX512=0: its AVX2 tiles), and
-takes bf16 weights where the CPU has AVX512_BF16.
+The panel kernel runs AVX-512 tiles where the CPU has them (PAGEDSERVE_AVX512=0: its AVX2 tiles). bf16
+weights: where the CPU has AVX512_BF16, oneDNN's panels of pairs, multiplied by its pair dot product (or AMX);
+elsewhere PackedLinear packs its own panels of pairs, which the kernel widens to float32, and oneDNN (which
+emulates bf16 there) multiplies a copy packed for it.
 Prints the table; writes JSON.
 """
 
@@ -55,20 +57,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     kernels.load(torch.device("cpu"), dtype)
     assert kernels.panel_kernel_ready(dtype), (
-        f"no {args.dtype} panel kernel here (fp32: not built with AVX2; bf16: no AVX512_BF16; "
+        f"no {args.dtype} panel kernel here (not built with AVX2 and no AVX-512, "
         "or PAGEDSERVE_PANEL_KERNEL=0)"
     )
     torch.manual_seed(0)
     with torch.inference_mode():
-        weights = [
-            PackedLinear(nn.Linear(k, n, bias=False).to(dtype)) for _ in range(args.layers) for n, k in SHAPES
-        ]
+        plain = [nn.Linear(k, n, bias=False).to(dtype) for _ in range(args.layers) for n, k in SHAPES]
+        weights = [PackedLinear(linear) for linear in plain]
         panels = sorted({w.panel for w in weights})
         assert 0 not in panels, "oneDNN lays these weights out other than as panels on this CPU"
         gigabytes = sum(w.in_features * w.out_features * dtype.itemsize for w in weights) / 1e9
+        # oneDNN's own packing of each weight, where the panel kernel's is not oneDNN's.
+        for_onednn = {
+            id(packed): torch.ops.mkldnn._reorder_linear_weight(linear.weight, None)
+            for packed, linear in zip(weights, plain, strict=True)
+            if not packed.weight.is_mkldnn
+        }
+        del plain
 
         def onednn(linear: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-            return torch.ops.mkldnn._linear_pointwise(x, linear.weight, None, "none", [], "")
+            weight = for_onednn.get(id(linear), linear.weight)
+            return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
         def panel(linear: PackedLinear, x: torch.Tensor) -> torch.Tensor:
             return torch.ops.pagedserve_cpu.packed_linear(x, linear.weight, None, linear.panel)

@@ -45,7 +45,7 @@ from workloads import ModelShape, benchmark_parser, matmul_flops_per_s, save_fig
 from gpu_worker import LLMEngine, SamplingParams
 from gpu_worker.engine.config import EngineConfig
 from gpu_worker.engine.llama_forward import LlamaForward
-from gpu_worker.engine.packed_linear import cpu_has_bf16
+from gpu_worker.engine.packed_linear import cpu_has_bf16, own_bf16_panels
 
 PROMPT_LEN = 32
 # Decode steps profiled per batch size (one step's profile moves by several points from run to run).
@@ -259,11 +259,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "read_bytes_per_s": read_bandwidth(),
         "copy_bytes_per_s": copy_bandwidth(),
         "fp32_matmul_flops_per_s": matmul_flops_per_s(cpu),
-        # Without bf16 instructions a bf16 matmul is emulated, far slower: a small one tells as much.
-        "bf16_matmul_flops_per_s": matmul_flops_per_s(
-            cpu, n=2048 if cpu_has_bf16() else 256, dtype=torch.bfloat16
-        ),
     }
+    # Without bf16 instructions the panel kernel widens bf16 weights to float32 (own_bf16_panels), so its rate
+    # is float32's; where it cannot, oneDNN emulates bf16, far slower: a small matmul tells as much.
+    limits["bf16_matmul_flops_per_s"] = (
+        limits["fp32_matmul_flops_per_s"]
+        if own_bf16_panels()
+        else matmul_flops_per_s(cpu, n=2048 if cpu_has_bf16() else 256, dtype=torch.bfloat16)
+    )
     impls = list(FORWARDS) if args.model_impl == "all" else [args.model_impl]
     rows: list[dict[str, Any]] = []
     for impl in impls:
