@@ -11,22 +11,22 @@ namespace pagedserve_cpu_features {
 // GCC only: the AVX-512 loops are compiled through its target pragma. AVX512DQ as well, which every AVX-512 CPU
 // but the Xeon Phi has: the elementwise ops' loops are compiled for it (llama_ops_avx512.cpp).
 inline bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"); }
-// AVX512_BF16's pair dot product (VDPBF16PS); not turned off with the AVX-512 loops (set_avx512), as nothing
-// else multiplies bfloat16 panels.
+// AVX512_BF16's pair dot product (VDPBF16PS). The bfloat16 panel kernel's tiles that take it are not turned off
+// with the AVX-512 loops (set_avx512) but by set_avx512_bf16_tiles (panel_linear.h), to its widened tiles.
 inline bool cpu_has_avx512_bf16() { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 #else
 inline bool cpu_has_avx512() { return false; }
 inline bool cpu_has_avx512_bf16() { return false; }
 #endif
 
-// Whether the kernels take their AVX-512 loops: where the CPU has AVX512F, unless PAGEDSERVE_AVX512=0 when
-// first asked (to compare with the AVX2 loops on one machine); set_avx512 switches it (the tests run both).
 // Whether the environment leaves a switch on: anything but `name`=0.
 inline bool env_allows(const char* name) {
   const char* flag = std::getenv(name);
   return !(flag && std::strcmp(flag, "0") == 0);
 }
 
+// Whether the kernels take their AVX-512 loops: where the CPU has AVX512F, unless PAGEDSERVE_AVX512=0 when
+// first asked (to compare with the AVX2 loops on one machine); set_avx512 switches it (the tests run both).
 inline std::atomic<bool>& avx512_switch() {
   static std::atomic<bool> on{cpu_has_avx512() && env_allows("PAGEDSERVE_AVX512")};
   return on;
