@@ -61,7 +61,7 @@ def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (avx512_bf16 or AMX), where bf16 runs faster than fp32
     instead of being emulated."""
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return bool(native) and packing_supported(torch.bfloat16)
+    return bool(native) and onednn_packs(torch.bfloat16)
 
 
 def own_bf16_panels() -> bool:

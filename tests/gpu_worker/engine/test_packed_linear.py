@@ -18,6 +18,7 @@ from gpu_worker.engine.packed_linear import (
     PackedLinear,
     bf16_panels,
     can_pack,
+    cpu_has_bf16,
     onednn_packs,
     own_bf16_panels,
     pack_linears,
@@ -381,3 +382,13 @@ def test_a_model_on_own_bf16_panels_runs_the_cpp_layers() -> None:
     forward = LlamaForward(model)
     assert forward.use_cpp_layers
     assert all(not m.weight.is_mkldnn for m in forward.modules() if isinstance(m, PackedLinear))
+
+
+def test_bf16_instructions_without_onednn_bf16_fall_to_own_panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU with bf16 instructions whose oneDNN has no bf16 does not multiply bf16 natively here: its bf16
+    weights become the panel kernel's own panels, where the kernel takes them."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr("gpu_worker.engine.packed_linear.onednn_packs", lambda dtype: False)
+    assert not cpu_has_bf16()
+    assert own_bf16_panels() == kernels.panel_kernel_ready(torch.bfloat16)
+    assert packing_supported(torch.bfloat16) == own_bf16_panels()
