@@ -271,6 +271,13 @@ bool set_avx512_bf16_tiles(bool enabled) {
   return avx512_bf16_tiles_switch().exchange(enabled && cpu_has_avx512_bf16());
 }
 
+namespace {
+
+// Whether bfloat16 rows go to AMX's tiles: turned off with the AVX512_BF16 tiles too.
+bool amx_taken() { return avx512_bf16_tiles_enabled() && amx_enabled(); }
+
+}  // namespace
+
 void panel_linear_into(Tensor& out, const Tensor& x, const float* weight, int64_t n, int64_t panel,
                        const Tensor& bias) {
   PAGEDSERVE_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "x must be float32 [rows, K]");
@@ -306,8 +313,7 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
   const Tensor b = bias.defined() ? bias.to(at::kFloat).contiguous() : Tensor();
   const float* bias_sums = b.defined() ? b.data_ptr<float>() : nullptr;
   auto* to = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const bool dot = avx512_bf16_tiles_enabled();
-  if (dot && amx_enabled() && x.size(1) % 32 == 0) {  // AMX tiles take k 32 at a time
+  if (amx_taken() && x.size(1) % 32 == 0) {  // AMX tiles take k 32 at a time
     panel_linear_bf16_amx(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, x.size(1),
                           x.stride(0), reinterpret_cast<const uint16_t*>(weight), n, panel, bias_sums, to);
     return out;
@@ -321,7 +327,7 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
       for (int64_t j = 0; j < panel; ++j) to[r * n + col + j] = pagedserve_cpu_math::bf16_bits(sums[r * ld + j]);
     }
   };
-  if (dot) {
+  if (avx512_bf16_tiles_enabled()) {
     multiply_panels(static_cast<float*>(nullptr), rows, pairs, lda, weight, n, k_pairs, panel, 64, bias_sums,
                     tile_bf16_avx512, round_panel);
     return out;
@@ -369,8 +375,7 @@ Tensor packed_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   const int64_t k_size = own ? weight.size(1) * 2 : weight.size(1);
   const int64_t rows = x.dim() == 0 ? 0 : x.numel() / std::max<int64_t>(k_size, 1);
   const bool f32 = dtype == at::kFloat && rows <= kPanelMaxRows;
-  const int64_t bf16_rows = own ? rows : amx_enabled() && avx512_bf16_tiles_enabled() ? kPanelMaxRowsAMX
-                                                                                       : kPanelMaxRowsBF16;
+  const int64_t bf16_rows = own ? rows : amx_taken() ? kPanelMaxRowsAMX : kPanelMaxRowsBF16;
   const bool bf16 = dtype == at::kBFloat16 && rows <= bf16_rows;
   if (!own && (panel == 0 || rows == 0 || !(f32 || bf16))) {
     return onednn_linear(x, weight, bias);
