@@ -106,8 +106,8 @@ class ModelRunner:
                 input_ids += seq.draft_token_ids
             starts.append(start)
             seq_lens.append(start + num_new)
-        meta, positions = self._metadata(out, starts, seq_lens)
         query_start_loc = list(itertools.accumulate(out.num_new_tokens, initial=0))
+        meta, positions = self._metadata(out, starts, seq_lens, query_start_loc)
         keep: list[int] = []
         for i in sample_rows:
             end = query_start_loc[i + 1]
@@ -128,7 +128,7 @@ class ModelRunner:
         return result.logits[0]
 
     def _metadata(
-        self, out: StepSchedule, starts: list[int], seq_lens: list[int]
+        self, out: StepSchedule, starts: list[int], seq_lens: list[int], query_start_loc: list[int]
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         device, size = self.device, self.block_size
         tables = [seq.block_table for seq in out.seqs]
@@ -136,9 +136,7 @@ class ModelRunner:
         block_table = torch.tensor(
             [table + [-1] * (max_blocks - len(table)) for table in tables], dtype=torch.int32, device=device
         )
-        query_start_loc = torch.tensor(
-            list(itertools.accumulate(out.num_new_tokens, initial=0)), dtype=torch.int32, device=device
-        )
+        query_start_loc_t = torch.tensor(query_start_loc, dtype=torch.int32, device=device)
         # Every token's position (its sequence's start plus its offset in the chunk) and the cache slot its K
         # and V go to, in runs of consecutive numbers, one a block: in plain Python a decode step's few tokens
         # cost less than half of what a dozen small tensor ops did (which woke the op threads).
@@ -157,7 +155,7 @@ class ModelRunner:
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         if any(1 < n <= MAX_TOKENS_AS_DECODES for n in out.num_new_tokens):
-            block_table, seq_lens_t, query_start_loc = _short_chunks_as_decodes(
+            block_table, seq_lens_t, query_start_loc_t = _short_chunks_as_decodes(
                 out.num_new_tokens, starts, block_table
             )
         meta = AttentionMetadata(
@@ -165,7 +163,7 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             block_table=block_table,
             seq_lens=seq_lens_t,
-            query_start_loc=query_start_loc,
+            query_start_loc=query_start_loc_t,
         )
         return meta, positions_t
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from gpu_worker import LLM
@@ -31,7 +33,9 @@ def test_each_new_token_gets_its_position_and_a_slot_in_its_block(llm: LLM) -> N
         schedule.num_draft_tokens.append(0)
     starts = [start for start, _, _ in rows]
     ends = [start + new for start, new, _ in rows]
-    meta, positions = runner._metadata(schedule, starts, ends)
+    query_start_loc = list(itertools.accumulate(schedule.num_new_tokens, initial=0))
+    meta, positions = runner._metadata(schedule, starts, ends, query_start_loc)
+    assert meta.query_start_loc.tolist() == query_start_loc
     assert positions.tolist() == [p for start, end in zip(starts, ends) for p in range(start, end)]
     assert meta.slot_mapping.tolist() == [
         table[p // size] * size + p % size
