@@ -24,10 +24,11 @@ bool avx512_bf16_tiles_enabled();
 bool set_avx512_bf16_tiles(bool enabled);
 
 // A row's values at k and k + 1 widened to float32: the rows of a bfloat16 product on CPUs without AVX512_BF16,
-// widened once a call, so a tile broadcasts each value straight from memory.
+// widened once a call (a float32 copy of the rows), so a tile broadcasts each value straight from memory.
 struct FloatPair {
   float lo, hi;  // k, k + 1
 };
+static_assert(sizeof(FloatPair) == 2 * sizeof(float), "a float32 row [K] is read as its FloatPairs [K / 2]");
 
 // AVX-512 register tiles: rows (at most 6) x width (16 to 64) outputs over kn steps of k (panel_tiles_avx512.cpp).
 // out [rows][ldo] gets init (the bias, or zeros) or its own values plus the sums over the steps; ahead: lines to

@@ -238,21 +238,6 @@ std::atomic<bool>& avx512_bf16_tiles_switch() {
   return on;
 }
 
-// x's pairs [rows][k_pairs] (rows lda pairs apart) widened to float32, rows side by side.
-std::vector<FloatPair> widened_rows(const uint32_t* x, int64_t rows, int64_t k_pairs, int64_t lda) {
-  std::vector<FloatPair> out(rows * k_pairs);
-  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(k_pairs, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint32_t* from = x + r * lda;
-      FloatPair* to = out.data() + r * k_pairs;
-      for (int64_t k = 0; k < k_pairs; ++k) {
-        to[k] = {pagedserve_cpu_math::bf16_float(from[k] & 0xFFFFu), pagedserve_cpu_math::bf16_float(from[k] >> 16)};
-      }
-    }
-  });
-  return out;
-}
-
 }  // namespace
 
 bool panel_linear_vectorized() {
@@ -332,12 +317,14 @@ Tensor panel_linear_bf16_rows(const Tensor& x, const uint32_t* weight, int64_t n
                     tile_bf16_avx512, round_panel);
     return out;
   }
-  const std::vector<FloatPair> widened = widened_rows(pairs, rows, k_pairs, lda);
+  // The rows widened once, side by side: a float32 row [K] is its FloatPairs [K / 2].
+  const Tensor widened_rows = x.to(at::kFloat).contiguous();
+  const auto* widened = reinterpret_cast<const FloatPair*>(widened_rows.data_ptr<float>());
   if (avx512_enabled()) {
-    multiply_panels(static_cast<float*>(nullptr), rows, widened.data(), k_pairs, weight, n, k_pairs, panel, 64,
+    multiply_panels(static_cast<float*>(nullptr), rows, widened, k_pairs, weight, n, k_pairs, panel, 64,
                     bias_sums, tile_bf16_widened_avx512, round_panel);
   } else {
-    multiply_panels(static_cast<float*>(nullptr), rows, widened.data(), k_pairs, weight, n, k_pairs, panel,
+    multiply_panels(static_cast<float*>(nullptr), rows, widened, k_pairs, weight, n, k_pairs, panel,
                     kStrip, bias_sums, tile_rows<FloatPair>, round_panel);
   }
   return out;
