@@ -102,6 +102,27 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bias: bool, threads
         assert torch.equal(packed(x[rows]), together[rows]), rows
 
 
+@pytest.mark.parametrize("num_threads", [1, 2, 3])  # 3: 16 panels of 64 do not share out, so halves of rows
+def test_rows_4_kib_apart_summed_aside_keep_their_bits(num_threads: int) -> None:
+    """1024 outputs a row, rows 4 KiB apart: from 16 rows each panel is summed in a scratch and copied out
+    (in place they would share L1's sets); every row gets the bits it gets alone, its sums kept in place."""
+    torch.manual_seed(4)
+    packed = panelled(nn.Linear(576, 1024, bias=True))
+    x = torch.randn(64, 576)
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        together = packed(x)
+        onednn = torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+        torch.testing.assert_close(together, onednn, atol=1e-4, rtol=1e-4)
+        for rows in (slice(0, 16), slice(3, 36), slice(33, 64)):
+            assert torch.equal(together[rows], packed(x[rows])), rows
+        for row in (0, 15, 16, 40, 63):
+            assert torch.equal(together[row : row + 1], packed(x[row : row + 1])), row
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU's oneDNN has no bf16")
 @pytest.mark.parametrize("num_rows", [8, 200])  # 200: past the panel kernel's rows, oneDNN alone
 def test_matches_linear_in_bf16(num_rows: int) -> None:
