@@ -180,7 +180,7 @@ constexpr int64_t kScratchFromRows = 16;
 // on the CPUs measured), so rows a multiple of 4 KiB apart (n of 1024, SmolLM2's gate_up of 3072, its
 // vocabulary of 49152) all land in the same few sets. Those panels are summed in a scratch of the thread's,
 // rows a panel apart, and copied out when done: the same sums. The layers' matmuls and the LM head of a decode
-// step of 32 rows on a Zen 3 EPYC (AVX2 tiles), one thread: gate_up 2 to 5% and the head 2 to 5% faster; a
+// step of 32 rows on a Zen 3 EPYC (AVX2 tiles), one thread: gate_up 1 to 5% and the head 3 to 5% faster; a
 // step of the engine 2 to 10% faster in 4 of 4 alternating pairs of processes (a switch since removed). The
 // AVX-512 tiles go the same way (not measured on those CPUs).
 bool rows_share_sets(int64_t n, int64_t rows) {
