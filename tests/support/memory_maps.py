@@ -18,3 +18,9 @@ def mapping_field(address: int, field: str) -> str | None:
         elif inside and line.startswith(f"{field}:"):
             return line.split(":", 1)[1].strip()
     return None
+
+
+def huge_bytes_of_mapping(address: int) -> int:
+    """AnonHugePages of the mapping holding `address`, in bytes."""
+    value = mapping_field(address, "AnonHugePages")  # "2048 kB"
+    return int(value.split()[0]) * 1024 if value else 0

@@ -16,17 +16,10 @@ from torch import nn
 
 from gpu_worker.engine.huge_pages import HUGE_PAGE, collapse_into_huge_pages
 from gpu_worker.engine.packed_linear import packing_supported, weights_into_huge_pages
-from tests.support.memory_maps import mapping_field
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's"
 )
-
-
-def huge_bytes_of_mapping(address: int) -> int:
-    """AnonHugePages of the mapping holding `address` (/proc/self/smaps), in bytes."""
-    value = mapping_field(address, "AnonHugePages")  # "2048 kB"
-    return int(value.split()[0]) * 1024 if value else 0
 
 
 # Run in a fresh interpreter: in a long test process the weight can land in the brk heap beside memory that
@@ -37,7 +30,7 @@ import json, torch
 from torch import nn
 from gpu_worker.engine.huge_pages import HUGE_PAGE
 from gpu_worker.engine.packed_linear import PackedLinear, weights_into_huge_pages
-from tests.gpu_worker.engine.test_huge_pages import huge_bytes_of_mapping
+from tests.support.memory_maps import huge_bytes_of_mapping
 torch.manual_seed(0)
 packed = PackedLinear(nn.Linear(1024, 4096))  # 16 MiB of float32 weights
 x = torch.randn(3, 1024)
