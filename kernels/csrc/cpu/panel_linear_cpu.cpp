@@ -179,10 +179,10 @@ constexpr int64_t kScratchFromRows = 16;
 // between one block of K and the next: L1 picks a line's set by its address within 4 KiB (64 sets of 8 lines
 // on the CPUs measured), so rows a multiple of 4 KiB apart (n of 1024, SmolLM2's gate_up of 3072, its
 // vocabulary of 49152) all land in the same few sets. Those panels are summed in a scratch of the thread's,
-// rows a panel apart, and copied out when done: the same sums. The layers' matmuls and the LM head of a decode
-// step of 32 rows on a Zen 3 EPYC (AVX2 tiles), one thread: gate_up 1 to 5% and the head 3 to 5% faster; a
-// step of the engine 2 to 10% faster in 4 of 4 alternating pairs of processes (a switch since removed). The
-// AVX-512 tiles go the same way (not measured on those CPUs).
+// rows a panel apart, and copied out when done: the same sums. On a Zen 3 EPYC (AVX2 tiles) the layers' matmuls
+// at 32 rows 2 to 3% faster (benchmarks/panel_linear_bench.py), a decode step of 32 rows 1.47x and 1.77x its
+// bound before, 1.41x and 1.32x after (benchmarks/roofline.py, docs/benchmarks.md). The AVX-512 tiles go the
+// same way (not measured on those CPUs).
 bool rows_share_sets(int64_t n, int64_t rows) {
   const int64_t offsets = 4096 / std::gcd<int64_t>(n * static_cast<int64_t>(sizeof(float)), 4096);
   return rows >= kScratchFromRows && offsets * 8 < rows;
