@@ -73,8 +73,9 @@ void add_rows(const float* weights, int64_t stride, const T* first, int64_t rows
 #pragma GCC unroll 4
     for (int j = 0; j < W; ++j) a[h][j] = _mm256_loadu_ps(acc + h * head_size + j * kLanes);
   }
+  ahead.pace(rows);
   for (int64_t p = 0; p < rows; ++p) {
-    ahead.step(rows - p);
+    ahead.step();
     __m256 w[H];
 #pragma GCC unroll 4
     for (int h = 0; h < H; ++h) w[h] = _mm256_broadcast_ss(weights + h * stride + p);
@@ -114,9 +115,10 @@ void scores_of(const Rows& r, const float* q, float* scores, int64_t stride) {
   over_blocks(r, k, v_first, ahead, [&](const T* block, int64_t first, int64_t rows) {
     for (int64_t h = 0; h < heads; ++h) {
       ahead.give(heads - h);
+      ahead.pace((rows + 7) / 8);
       const T* of_head = block + (h / r.group) * r.c_head;
       for (int64_t p = 0; p < rows; p += 8) {
-        ahead.step((rows - p + 7) / 8);
+        ahead.step();
         score_eight(q + h * r.head_size, of_head + p * r.c_token, r.c_token, std::min<int64_t>(8, rows - p),
                     r.head_size, by, scores + h * stride + first + p);
       }

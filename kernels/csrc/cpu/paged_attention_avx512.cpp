@@ -101,8 +101,9 @@ template <typename T, int NC, int HG>
 void score_rows(const float* q, const T* block, int64_t rows, int64_t c_token, float scale, float* out,
                 int64_t stride, Ahead& ahead) {
   const __m512 by = _mm512_set1_ps(scale);
+  ahead.pace(HG);
   for (int h = 0; h < HG; ++h) {
-    ahead.step(HG - h);
+    ahead.step();
     __m512 qh[NC];
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) qh[c] = load(q + (h * NC + c) * 16);
@@ -183,8 +184,9 @@ template <int NC, int HG>
 void pair_score_rows(const float* q, const uint16_t* block, int64_t rows, int64_t c_token, float scale,
                      float* out, int64_t stride, Ahead& ahead) {
   const __m512 by = _mm512_set1_ps(scale);
+  ahead.pace(HG);
   for (int h = 0; h < HG; ++h) {
-    ahead.step(HG - h);
+    ahead.step();
     __m512bh qh[NC / 2];
 #pragma GCC unroll 4
     for (int c = 0; c < NC / 2; ++c) {
@@ -221,8 +223,9 @@ void add_rows(const float* weights, int64_t stride, const T* block, int64_t rows
               Ahead& ahead) {
   __m512 a[HG][NC];
   load_heads(a, acc);
+  ahead.pace(rows);
   for (int64_t p = 0; p < rows; ++p) {
-    ahead.step(rows - p);
+    ahead.step();
     __m512 v[NC];
     load_row(v, block + p * c_token);
 #pragma GCC unroll 4

@@ -39,6 +39,8 @@ struct Ahead {
   int64_t offset = 0;         // the next line's bytes into it
   int64_t lines = 0;          // lines not yet asked
   int64_t quota = 0;          // of which the pass at work may ask
+  int64_t each = 0;           // lines a step of the pass asks for (pace), and one more while `extra` lasts
+  int64_t extra = 0;
 
   // Asks for a block's first `rows` rows, from `first`.
   void start(const void* first, int64_t rows) {
@@ -50,22 +52,35 @@ struct Ahead {
   // The next pass's share of what is left, when `passes` passes (this one included) are left in the block.
   void give(int64_t passes) { quota = (lines + passes - 1) / passes; }
 
-  // Up to n lines of the pass's quota.
+  // Up to n lines of the pass's quota. The fields are worked on in registers and stored once.
   void ask(int64_t n) {
-    for (n = n < quota ? n : quota; n > 0; --n) {
-      __builtin_prefetch(row + offset, 0, 2);  // to L2 (prefetcht1)
-      offset += 64;
-      if (offset >= row_bytes) {
-        offset = 0;
-        row += stride;
+    n = n < quota ? n : quota;
+    if (n <= 0) return;
+    const char* at = row;
+    int64_t into = offset;
+    for (int64_t i = 0; i < n; ++i) {
+      __builtin_prefetch(at + into, 0, 2);  // to L2 (prefetcht1)
+      into += 64;
+      if (into >= row_bytes) {
+        into = 0;
+        at += stride;
       }
-      --quota;
-      --lines;
     }
+    row = at;
+    offset = into;
+    quota -= n;
+    lines -= n;
   }
 
-  // The pass's quota spread evenly over its `steps` steps left: this step's part.
-  void step(int64_t steps) { ask((quota + steps - 1) / steps); }
+  // The pass's quota spread evenly over its `steps` steps (the first quota % steps ask one line more), worked
+  // out once a pass: a step then asks without dividing.
+  void pace(int64_t steps) {
+    each = quota / steps;
+    extra = quota % steps;
+  }
+
+  // One step's part of the quota (pace).
+  void step() { ask(extra-- > 0 ? each + 1 : each); }
 };
 
 // The Ahead of an item's rows of T (elements of `element` bytes).
