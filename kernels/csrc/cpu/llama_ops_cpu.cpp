@@ -12,6 +12,7 @@
 #include <c10/util/BFloat16.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -273,6 +274,15 @@ void decode_attention(Tensor& out, const Tensor& q, const Tensor& k_cache, const
   op.callBoxed(&stack);
 }
 
+// The decode layers' loop calls these ops directly, not through the dispatcher: each call is named for the
+// profiler as the op is where Python calls it, so a profile of a step (benchmarks/roofline.py,
+// benchmarks/profile_steps.py) gives each op its own time, not one sum under llama_decode_layers.
+template <typename Call>
+void as_op(const char* name, Call call) {
+  RECORD_FUNCTION(name, std::vector<c10::IValue>());
+  call();
+}
+
 // Weights of one layer in the order the Python side gives them (gpu_worker/engine/llama_forward.py).
 enum LayerWeight { kQkv, kQkvBias, kO, kGateUp, kDown, kInputNorm, kPostNorm, kQNorm, kKNorm, kPerLayer };
 // A layer's linear weights, in the order of their panel widths.
@@ -307,7 +317,7 @@ Tensor llama_decode_layers(const Tensor& hidden, const c10::List<std::optional<T
   PAGEDSERVE_CHECK(seq_lens.size(0) == tokens, "every sequence of a decode step has one query token");
   Tensor residual = hidden.clone();
   Tensor x = at::empty_like(hidden);
-  rms_norm(x, residual, weights[kInputNorm], eps);
+  as_op("pagedserve_cpu::rms_norm", [&] { rms_norm(x, residual, weights[kInputNorm], eps); });
   Tensor out;
   for (int64_t i = 0; i < layers; ++i) {
     const Tensor* w = weights.data() + i * kPerLayer;
@@ -318,24 +328,25 @@ Tensor llama_decode_layers(const Tensor& hidden, const c10::List<std::optional<T
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
     if (w[kQNorm].defined()) {
       Tensor q_normed = at::empty({tokens, num_heads, head_dim}, q.options());
-      rms_norm(q_normed, q.contiguous(), w[kQNorm], eps);
+      as_op("pagedserve_cpu::rms_norm", [&] { rms_norm(q_normed, q.contiguous(), w[kQNorm], eps); });
       Tensor k_normed = at::empty({tokens, num_kv_heads, head_dim}, k.options());
-      rms_norm(k_normed, k.contiguous(), w[kKNorm], eps);
+      as_op("pagedserve_cpu::rms_norm", [&] { rms_norm(k_normed, k.contiguous(), w[kKNorm], eps); });
       q = q_normed;
       k = k_normed;
     }
     Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+    as_op("pagedserve_cpu::rotary_write_kv",
+          [&] { rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping); });
     Tensor attended = at::empty({tokens, num_heads, head_dim}, q.options());
     decode_attention(attended, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale);
     Tensor h = packed_linear(attended.view({tokens, q_size}), w[kO], Tensor(), panel(kOLinear));
-    add_rms_norm(h, residual, w[kPostNorm], eps);
+    as_op("pagedserve_cpu::add_rms_norm", [&] { add_rms_norm(h, residual, w[kPostNorm], eps); });
     const Tensor gate_up = packed_linear(h, w[kGateUp], Tensor(), panel(kGateUpLinear));
     Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
-    silu_and_mul(act, gate_up);
+    as_op("pagedserve_cpu::silu_and_mul", [&] { silu_and_mul(act, gate_up); });
     out = packed_linear(act, w[kDown], Tensor(), panel(kDownLinear));
     const Tensor& next_norm = i + 1 < layers ? weights[(i + 1) * kPerLayer + kInputNorm] : final_norm;
-    add_rms_norm(out, residual, next_norm, eps);
+    as_op("pagedserve_cpu::add_rms_norm", [&] { add_rms_norm(out, residual, next_norm, eps); });
     x = out;
   }
   return x;

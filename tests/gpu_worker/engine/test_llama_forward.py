@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from gpu_worker import LLM, SamplingParams
@@ -85,6 +86,30 @@ def test_the_fused_forward_keeps_one_copy_of_each_weight(tiny_model_path: str) -
         model = LLM(tiny_model_path, dtype="float32", num_kv_blocks=16, model_impl=impl).engine.runner.model
         sizes[impl] = sum(p.numel() for p in model.parameters())
     assert sizes["pagedserve"] == sizes["transformers"]
+
+
+def test_a_profile_of_a_decode_step_names_each_op_of_the_cpp_layers(tiny_model_path: str) -> None:
+    """The C++ layers' loop calls its ops without the dispatcher; a profile of a decode step still gives each
+    op of each layer its own event, as where Python calls them, and no op's time stays in the loop's own."""
+    llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=16, model_impl="pagedserve")
+    engine, forward = llm.engine, llm.engine.runner.model
+    assert isinstance(forward, LlamaForward) and forward.use_cpp_layers
+    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.step()  # the prefill, in Python's loop over the layers
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()  # one decode step: every layer in one C++ call
+    counts = {event.key: event.count for event in prof.key_averages()}
+    layers = len(forward.layers)
+    assert counts["pagedserve_cpu::llama_decode_layers"] == 1
+    assert counts["pagedserve_cpu::rms_norm"] == 1  # the first layer's input norm
+    for op, per_layer in [
+        ("rotary_write_kv", 1), ("paged_attention_decode", 1), ("add_rms_norm", 2), ("silu_and_mul", 1),
+    ]:  # fmt: skip
+        assert counts[f"pagedserve_cpu::{op}"] == per_layer * layers, op
+    assert counts["pagedserve_cpu::packed_linear"] == 4 * layers + 1  # qkv, o, gate_up, down; the LM head
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_drained(llm)
 
 
 def test_other_models_keep_the_transformers_forward(tmp_path: Path, tiny_model_path: str) -> None:
