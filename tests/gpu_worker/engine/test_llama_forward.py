@@ -90,7 +90,7 @@ def test_the_fused_forward_keeps_one_copy_of_each_weight(tiny_model_path: str) -
 
 def test_a_profile_of_a_decode_step_names_each_op_of_the_cpp_layers(tiny_model_path: str) -> None:
     """The C++ layers' loop calls its ops without the dispatcher; a profile of a decode step still gives each
-    op of each layer its own event, as where Python calls them, and no op's time stays in the loop's own."""
+    op of each layer its own event, named as where Python calls them."""
     llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=16, model_impl="pagedserve")
     engine, forward = llm.engine, llm.engine.runner.model
     assert isinstance(forward, LlamaForward) and forward.use_cpp_layers
