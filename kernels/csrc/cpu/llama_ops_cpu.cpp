@@ -109,8 +109,13 @@ void check_norm(const Tensor& out, const Tensor& x, const Tensor& weight) {
   PAGEDSERVE_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [hidden_size]");
 }
 
+// Each op below names itself for the profiler, as packed_linear does: the decode layers' loop calls them directly,
+// not through the dispatcher, and a profile of a step (benchmarks/roofline.py, benchmarks/profile_steps.py) then
+// gives each its own row rather than one sum under llama_decode_layers. A call from Python still makes one event.
+
 // out = weight * x / rms(x), in rows of x's last dimension.
 void rms_norm(Tensor& out, const Tensor& x, const Tensor& weight, double eps) {
+  RECORD_FUNCTION("pagedserve_cpu::rms_norm", std::vector<c10::IValue>());
   check_norm(out, x, weight);
   if (x.scalar_type() == at::kFloat) {
     norm_rows<float>(out, x, nullptr, weight, eps);
@@ -121,6 +126,7 @@ void rms_norm(Tensor& out, const Tensor& x, const Tensor& weight, double eps) {
 
 // residual += x, then x = weight * residual / rms(residual): a layer's sum and the next norm in one pass.
 void add_rms_norm(Tensor& x, Tensor& residual, const Tensor& weight, double eps) {
+  RECORD_FUNCTION("pagedserve_cpu::add_rms_norm", std::vector<c10::IValue>());
   check_norm(x, x, weight);
   check_rows(residual, "residual", x.scalar_type());
   PAGEDSERVE_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes(), "residual must be shaped as x");
@@ -160,6 +166,7 @@ PAGEDSERVE_EXACT void silu_mul_rows(Tensor& out, const Tensor& gate_up) {
 
 // out = silu(gate) * up, where gate_up holds [gate | up] in each row (one matmul's output).
 void silu_and_mul(Tensor& out, const Tensor& gate_up) {
+  RECORD_FUNCTION("pagedserve_cpu::silu_and_mul", std::vector<c10::IValue>());
   const auto dtype = gate_up.scalar_type();
   PAGEDSERVE_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 rows, got ", dtype);
   check_rows(gate_up, "gate_up", dtype);
@@ -241,6 +248,7 @@ void rotary_write_kv(Tensor& query,        // [tokens, heads, head_size]
                      const Tensor& cos, const Tensor& sin,
                      Tensor& k_cache,  // [num_blocks, block_size, kv_heads, head_size]
                      Tensor& v_cache, const Tensor& slot_mapping) {
+  RECORD_FUNCTION("pagedserve_cpu::rotary_write_kv", std::vector<c10::IValue>());
   const auto dtype = query.scalar_type();
   PAGEDSERVE_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 heads, got ", dtype);
   const Tensor* all[] = {&query, &key, &value, &cos, &sin, &k_cache, &v_cache};
@@ -272,15 +280,6 @@ void decode_attention(Tensor& out, const Tensor& q, const Tensor& k_cache, const
       c10::Dispatcher::singleton().findSchemaOrThrow("pagedserve_cpu::paged_attention_decode", "");
   torch::jit::Stack stack{out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale};
   op.callBoxed(&stack);
-}
-
-// The decode layers' loop calls these ops directly, not through the dispatcher: each call is named for the
-// profiler as the op is where Python calls it, so a profile of a step (benchmarks/roofline.py,
-// benchmarks/profile_steps.py) gives each op its own time, not one sum under llama_decode_layers.
-template <typename Call>
-void as_op(const char* name, Call call) {
-  RECORD_FUNCTION(name, std::vector<c10::IValue>());
-  call();
 }
 
 // Weights of one layer in the order the Python side gives them (gpu_worker/engine/llama_forward.py).
@@ -317,7 +316,7 @@ Tensor llama_decode_layers(const Tensor& hidden, const c10::List<std::optional<T
   PAGEDSERVE_CHECK(seq_lens.size(0) == tokens, "every sequence of a decode step has one query token");
   Tensor residual = hidden.clone();
   Tensor x = at::empty_like(hidden);
-  as_op("pagedserve_cpu::rms_norm", [&] { rms_norm(x, residual, weights[kInputNorm], eps); });
+  rms_norm(x, residual, weights[kInputNorm], eps);
   Tensor out;
   for (int64_t i = 0; i < layers; ++i) {
     const Tensor* w = weights.data() + i * kPerLayer;
@@ -328,25 +327,24 @@ Tensor llama_decode_layers(const Tensor& hidden, const c10::List<std::optional<T
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
     if (w[kQNorm].defined()) {
       Tensor q_normed = at::empty({tokens, num_heads, head_dim}, q.options());
-      as_op("pagedserve_cpu::rms_norm", [&] { rms_norm(q_normed, q.contiguous(), w[kQNorm], eps); });
+      rms_norm(q_normed, q.contiguous(), w[kQNorm], eps);
       Tensor k_normed = at::empty({tokens, num_kv_heads, head_dim}, k.options());
-      as_op("pagedserve_cpu::rms_norm", [&] { rms_norm(k_normed, k.contiguous(), w[kKNorm], eps); });
+      rms_norm(k_normed, k.contiguous(), w[kKNorm], eps);
       q = q_normed;
       k = k_normed;
     }
     Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    as_op("pagedserve_cpu::rotary_write_kv",
-          [&] { rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping); });
+    rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
     Tensor attended = at::empty({tokens, num_heads, head_dim}, q.options());
     decode_attention(attended, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale);
     Tensor h = packed_linear(attended.view({tokens, q_size}), w[kO], Tensor(), panel(kOLinear));
-    as_op("pagedserve_cpu::add_rms_norm", [&] { add_rms_norm(h, residual, w[kPostNorm], eps); });
+    add_rms_norm(h, residual, w[kPostNorm], eps);
     const Tensor gate_up = packed_linear(h, w[kGateUp], Tensor(), panel(kGateUpLinear));
     Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
-    as_op("pagedserve_cpu::silu_and_mul", [&] { silu_and_mul(act, gate_up); });
+    silu_and_mul(act, gate_up);
     out = packed_linear(act, w[kDown], Tensor(), panel(kDownLinear));
     const Tensor& next_norm = i + 1 < layers ? weights[(i + 1) * kPerLayer + kInputNorm] : final_norm;
-    as_op("pagedserve_cpu::add_rms_norm", [&] { add_rms_norm(out, residual, next_norm, eps); });
+    add_rms_norm(out, residual, next_norm, eps);
     x = out;
   }
   return x;

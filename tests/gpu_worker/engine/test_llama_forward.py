@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from gpu_worker import LLM, SamplingParams
 from gpu_worker.engine.llama_forward import LlamaForward
+from gpu_worker.engine.model_runner import MAX_TOKENS_AS_DECODES
 from tests.support.engine import assert_pool_drained, hf_greedy
 
 SIZES = dict(
@@ -88,25 +89,27 @@ def test_the_fused_forward_keeps_one_copy_of_each_weight(tiny_model_path: str) -
     assert sizes["pagedserve"] == sizes["transformers"]
 
 
-def test_a_profile_of_a_decode_step_names_each_op_of_the_cpp_layers(tiny_model_path: str) -> None:
+def test_a_profile_names_each_op_once_whether_python_or_the_cpp_layers_call_it(tiny_model_path: str) -> None:
     """The C++ layers' loop calls its ops without the dispatcher; a profile of a decode step still gives each
-    op of each layer its own event, named as where Python calls them."""
+    op of each layer one event of the op's name, as that of a prefill (Python's loop over the layers) does."""
     llm = LLM(tiny_model_path, dtype="float32", num_kv_blocks=16, model_impl="pagedserve")
     engine, forward = llm.engine, llm.engine.runner.model
     assert isinstance(forward, LlamaForward) and forward.use_cpp_layers
-    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    engine.step()  # the prefill, in Python's loop over the layers
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.step()  # one decode step: every layer in one C++ call
-    counts = {event.key: event.count for event in prof.key_averages()}
     layers = len(forward.layers)
-    assert counts["pagedserve_cpu::llama_decode_layers"] == 1
-    assert counts["pagedserve_cpu::rms_norm"] == 1  # the first layer's input norm
-    for op, per_layer in [
-        ("rotary_write_kv", 1), ("paged_attention_decode", 1), ("add_rms_norm", 2), ("silu_and_mul", 1),
-    ]:  # fmt: skip
-        assert counts[f"pagedserve_cpu::{op}"] == per_layer * layers, op
-    assert counts["pagedserve_cpu::packed_linear"] == 4 * layers + 1  # qkv, o, gate_up, down; the LM head
+    # Past MAX_TOKENS_AS_DECODES prompt tokens: a prefill through Python's loop, not one-token rows
+    prompt = list(range(5, 6 + MAX_TOKENS_AS_DECODES))
+    engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    for step, cpp_layers in [("prefill", 0), ("decode", 1)]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        counts = {event.key: event.count for event in prof.key_averages()}
+        assert counts.get("pagedserve_cpu::llama_decode_layers", 0) == cpp_layers, step
+        assert counts["pagedserve_cpu::rms_norm"] == 1, step  # the first layer's input norm
+        for op, per_layer in [("rotary_write_kv", 1), ("add_rms_norm", 2), ("silu_and_mul", 1)]:
+            assert counts[f"pagedserve_cpu::{op}"] == per_layer * layers, (step, op)
+        # qkv, o, gate_up and down a layer, and the LM head
+        assert counts["pagedserve_cpu::packed_linear"] == 4 * layers + 1, step
+    assert counts["pagedserve_cpu::paged_attention_decode"] == layers
     while engine.has_unfinished_requests():
         engine.step()
     assert_pool_drained(llm)
