@@ -8,7 +8,6 @@ import mmap
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from torch import nn
 
 from gpu_worker.engine.huge_pages import HUGE_PAGE, collapse_into_huge_pages
 from gpu_worker.engine.packed_linear import packing_supported, weights_into_huge_pages
+from tests.support import REPO
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's"
@@ -46,7 +46,7 @@ print(json.dumps({"done": done, "huge": huge, "same": torch.equal(packed(x), bef
 def test_packed_weights_move_into_huge_pages_and_keep_their_values() -> None:
     ran = subprocess.run(
         [sys.executable, "-c", COLLAPSE_A_PACKED_WEIGHT],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[3],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     seen = json.loads(ran.stdout.strip().splitlines()[-1])
