@@ -14,9 +14,12 @@ inline bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f") && __bui
 // AVX512_BF16's pair dot product (VDPBF16PS). The bfloat16 panel kernel's tiles that take it are not turned off
 // with the AVX-512 loops (set_avx512) but by set_avx512_bf16_tiles (panel_linear.h), to its widened tiles.
 inline bool cpu_has_avx512_bf16() { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+// An Intel core: where a kernel's best choice was measured to differ between Intel's cores and AMD's.
+inline bool cpu_is_intel() { return __builtin_cpu_is("intel"); }
 #else
 inline bool cpu_has_avx512() { return false; }
 inline bool cpu_has_avx512_bf16() { return false; }
+inline bool cpu_is_intel() { return false; }
 #endif
 
 // Whether the environment leaves a switch on: anything but `name`=0.

@@ -61,6 +61,18 @@ constexpr int64_t kBlockK = 64;      // rows of a panel kept in L1 (with the nex
 constexpr int64_t kLongBlocksFromRows = 16;
 constexpr int64_t kLongBlock = 576;
 
+// Whether the AVX-512 tiles take long blocks of K for `rows` rows of float32 (T a float) or bfloat16 pairs. On
+// Intel's cores float32 keeps blocks of kBlockK at every row count: on a 2-core Xeon with AMX, the layers'
+// matmuls of benchmarks/panel_linear_bench.py at 16 to 48 rows took 5 to 18% less time with blocks of 64 than
+// of 576 (alternating in one process through a switch since removed; level at 64 rows), and decode steps of 16
+// and 32 rows 6 to 12% less (docs/benchmarks.md). bfloat16's tiles (AVX512_BF16's or widened) were level either
+// way there, and keep the long blocks measured on AMD's.
+template <typename T>
+bool long_blocks(int64_t rows, int64_t widest) {
+  static const bool intel = pagedserve_cpu_features::cpu_is_intel();
+  return widest > kStrip && rows >= kLongBlocksFromRows && !(std::is_same_v<T, float> && intel);
+}
+
 // A tile's rows and weights: float32 both, or (bfloat16 weights on CPUs without AVX512_BF16) rows widened to
 // FloatPair and weights in pairs of k, b's rows ld pairs apart.
 template <typename A>
@@ -202,7 +214,7 @@ void multiply_panels(float* out, int64_t rows, const A* a, int64_t lda, const T*
   const int64_t panels = n / panel;
   const bool halves = rows >= kHalvesFromRows && panels % at::get_num_threads() != 0;
   constexpr int64_t kValues = std::is_same_v<T, float> ? 1 : 2;  // values of k a T holds
-  const int64_t block = widest > kStrip && rows >= kLongBlocksFromRows ? kLongBlock / kValues : kBlockK;
+  const int64_t block = long_blocks<T>(rows, widest) ? kLongBlock / kValues : kBlockK;
   const int64_t strip = strip_of(panel, widest);
   // Rows r0 to r1 of panel p into sums (the panel's, row stride ld). Each block of the panel, [block] of its rows,
   // is prefetched while the block before it is multiplied, and found in cache by every row tile.
