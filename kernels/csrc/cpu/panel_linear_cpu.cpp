@@ -63,10 +63,10 @@ constexpr int64_t kLongBlock = 576;
 
 // Whether the AVX-512 tiles take long blocks of K for `rows` rows of float32 (T a float) or bfloat16 pairs. On
 // Intel's cores float32 keeps blocks of kBlockK at every row count: on a 2-core Xeon with AMX, the layers'
-// matmuls of benchmarks/panel_linear_bench.py at 16 to 48 rows took 5 to 18% less time with blocks of 64 than
-// of 576 (alternating in one process through a switch since removed; level at 64 rows), and decode steps of 16
-// and 32 rows 6 to 12% less (docs/benchmarks.md). bfloat16's tiles (AVX512_BF16's or widened) were level either
-// way there, and keep the long blocks measured on AMD's.
+// matmuls of benchmarks/panel_linear_bench.py took 4 to 20% less time from 16 to 48 rows with blocks of 64 than
+// with blocks of 576 (64 rows 3 to 5%), and decode steps of 16 rows 12 to 16% less, of 32 rows 4 to 7%
+// (benchmarks/roofline.py; docs/benchmarks.md). bfloat16's tiles (AVX512_BF16's or widened) were level either
+// way there, and keep the long blocks measured on AMD's cores.
 template <typename T>
 bool long_blocks(int64_t rows, int64_t widest) {
   static const bool intel = pagedserve_cpu_features::cpu_is_intel();
