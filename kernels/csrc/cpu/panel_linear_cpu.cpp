@@ -62,15 +62,19 @@ constexpr int64_t kLongBlocksFromRows = 16;
 constexpr int64_t kLongBlock = 576;
 
 // Whether the AVX-512 tiles take long blocks of K for `rows` rows of float32 (T a float) or bfloat16 pairs. On
-// Intel's cores float32 keeps blocks of kBlockK at every row count: on a 2-core Xeon with AMX, the layers'
-// matmuls of benchmarks/panel_linear_bench.py took 4 to 20% less time from 16 to 48 rows with blocks of 64 than
-// with blocks of 576 (64 rows 3 to 5%), and decode steps of 16 rows 12 to 16% less, of 32 rows 4 to 7%
-// (benchmarks/roofline.py; docs/benchmarks.md). bfloat16's tiles (AVX512_BF16's or widened) were level either
-// way there, and keep the long blocks measured on AMD's cores.
+// Intel's cores float32 takes them only past 64 rows: on a 2-core Xeon with AMX, the layers' matmuls of
+// benchmarks/panel_linear_bench.py took 4 to 20% less time from 16 to 48 rows with blocks of 64 than with blocks
+// of 576, decode steps of 16 rows 12 to 16% less and of 32 rows 4 to 7% (benchmarks/roofline.py); 64 and 80 rows
+// were level, and at 96 and 128 rows the long blocks were 2 to 5% faster (alternating in one process through a
+// switch since removed; docs/benchmarks.md). bfloat16's tiles (AVX512_BF16's or widened) were level either way
+// there, and keep the long blocks measured on AMD's cores.
+constexpr int64_t kLongBlocksFromRowsIntelF32 = 65;
+
 template <typename T>
 bool long_blocks(int64_t rows, int64_t widest) {
   static const bool intel = pagedserve_cpu_features::cpu_is_intel();
-  return widest > kStrip && rows >= kLongBlocksFromRows && !(std::is_same_v<T, float> && intel);
+  const int64_t from = std::is_same_v<T, float> && intel ? kLongBlocksFromRowsIntelF32 : kLongBlocksFromRows;
+  return widest > kStrip && rows >= from;
 }
 
 // A tile's rows and weights: float32 both, or (bfloat16 weights on CPUs without AVX512_BF16) rows widened to
