@@ -64,10 +64,10 @@ constexpr int64_t kLongBlock = 576;
 // Whether the AVX-512 tiles take long blocks of K for `rows` rows of float32 (T a float) or bfloat16 pairs. On
 // Intel's cores float32 takes them only past 64 rows: on a 2-core Xeon with AMX, the layers' matmuls of
 // benchmarks/panel_linear_bench.py took 4 to 20% less time from 16 to 48 rows with blocks of 64 than with blocks
-// of 576, decode steps of 16 rows 12 to 16% less and of 32 rows 4 to 7% (benchmarks/roofline.py); 64 and 80 rows
-// were level, and at 96 and 128 rows the long blocks were 2 to 5% faster (alternating in one process through a
-// switch since removed; docs/benchmarks.md). bfloat16's tiles (AVX512_BF16's or widened) were level either way
-// there, and keep the long blocks measured on AMD's cores.
+// of 576, decode steps of 16 rows 12 to 16% less and of 32 rows 4 to 7% (benchmarks/roofline.py); at 128 rows
+// the long blocks were the faster ones, at 80 the short ones, at 96 neither (docs/benchmarks.md: where the short
+// blocks stop paying is not settled). bfloat16's tiles (AVX512_BF16's or widened) were not timed against blocks
+// of 64 there, and keep the long blocks measured on AMD's cores.
 constexpr int64_t kLongBlocksFromRowsIntelF32 = 65;
 
 template <typename T>
